@@ -1,0 +1,53 @@
+# decent_comm developer entry points.
+#   make demo   install, build, run the main demo
+#   make test   install, build, run the test suite
+# Everything lives in .venv (created if missing). TORCH_SPEC picks the torch to install; any torch >= 2.4
+# builds the extension.
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.14.1
+STAMP := $(VENV)/.decent_comm-deps
+MAX_JOBS ?= 2
+PYTEST_ARGS ?=
+
+export OMP_NUM_THREADS ?= 1
+export MAX_JOBS
+
+.PHONY: all venv build test demo bench cmake-build clean
+
+all: build
+
+$(STAMP): requirements-dev.txt Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(STAMP)
+
+# In-place build; ninja makes it incremental.
+build: $(STAMP)
+	$(VPY) setup.py -q build_ext --inplace
+
+test: build
+	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: build
+	$(VPY) bench/mix_kernels.py --quick
+
+bench: build
+	$(VPY) bench/mix_kernels.py
+
+# The CMake build of the same extension (CPU kernels; add -DDECENT_COMM_CUDA=ON for CUDA).
+# A CUDA build of torch needs its toolkit found even for a CPU-only extension (Caffe2Config checks it),
+# and an arch list, or it try-runs a GPU probe.
+cmake-build: $(STAMP)
+	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja \
+	  -DPython_EXECUTABLE=$(abspath $(VPY)) -DDECENT_COMM_CUDA=OFF \
+	  -DCUDA_TOOLKIT_ROOT_DIR="$$($(PYTHON) build_tools/cuda_home.py)"
+	cmake --build build/cmake -j $(MAX_JOBS)
+
+clean:
+	rm -rf build decent_comm/_C*.so

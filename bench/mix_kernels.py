@@ -1,0 +1,193 @@
+"""Benchmark of the fused gossip-mix kernels against named baselines, as same-run ratios.
+
+For each size, neighbour count k and neighbour dtype it times
+  ours        decent_comm.ops.gossip_mix_
+  op chain    x.mul_(sw); x.add_(y_j, alpha=w_j) ...           (what a pure-PyTorch gossip step does)
+  foreach     torch._foreach_mul_ / _foreach_add_ chain
+  cupy        a CuPy ElementwiseKernel doing the same mix (GPU, when CuPy is installed)
+and the memory roofline: the bandwidth of a device copy (x.copy_(y)) and of lerp_ (one pass, k = 1).
+GB/s counts the minimum bytes an op must move (read x and every neighbour once, write x once).
+mix_adam_ is compared with torch.optim.AdamW (foreach on CPU, fused on CUDA) followed by the same mix.
+
+    python bench/mix_kernels.py [--quick] [--device cpu|cuda] [--json PATH]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from decent_comm import ops  # noqa: E402
+
+
+def timer(device, fn, repeats, warmup=2):
+    """Median seconds of fn() over `repeats` runs (CUDA: timed with events on the current stream)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def cupy_mix(k):
+    """A CuPy ElementwiseKernel computing x = sw*x + sum_j w_j*y_j in float32, or None without CuPy."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    params = ", ".join([f"raw T{j} y{j}" for j in range(k)])
+    weights = ", ".join([f"float32 w{j}" for j in range(k)])
+    body = "float acc = sw * (float)x;" + "".join(f" acc += w{j} * (float)y{j}[i];" for j in range(k)) + " x = acc;"
+    kernel = cupy.ElementwiseKernel(f"float32 sw, {weights}, {params}", "float32 x", body, f"dc_mix_{k}")
+
+    def run(x, ys, sw, ws):
+        kernel(sw, *ws, *[cupy.from_dlpack(y) for y in ys], cupy.from_dlpack(x))
+
+    return run
+
+
+def bench_mix(device, sizes, ks, nb_dtypes, repeats):
+    rows = []
+    for n in sizes:
+        x = torch.randn(n, device=device)
+        src = torch.randn(n, device=device)
+        copy_s = timer(device, lambda: x.copy_(src), repeats)
+        copy_bw = 2 * n * 4 / copy_s
+        for nb_dtype in nb_dtypes:
+            for k in ks:
+                ys = [torch.randn(n, device=device).to(nb_dtype) for _ in range(k)]
+                sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
+                min_bytes = n * 4 * 2 + n * ys[0].element_size() * k
+
+                def ours():
+                    ops.gossip_mix_(x, ys, sw, ws)
+
+                def chain():
+                    x.mul_(sw)
+                    for y, w in zip(ys, ws):
+                        x.add_(y, alpha=w)
+
+                def foreach():
+                    torch._foreach_mul_([x], sw)
+                    for y, w in zip(ys, ws):
+                        torch._foreach_add_([x], [y], alpha=w)
+
+                t = {"ours": timer(device, ours, repeats), "op_chain": timer(device, chain, repeats),
+                     "foreach": timer(device, foreach, repeats)}
+                if k == 1 and nb_dtype == torch.float32:
+                    t["lerp"] = timer(device, lambda: x.lerp_(ys[0], 0.5), repeats)
+                cp = cupy_mix(k) if device == "cuda" else None
+                if cp is not None:
+                    t["cupy"] = timer(device, lambda: cp(x, ys, sw, ws), repeats)
+                gbs = min_bytes / t["ours"] / 1e9
+                rows.append(dict(
+                    op="gossip_mix_", n=n, k=k, nb_dtype=str(nb_dtype).replace("torch.", ""),
+                    seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9, pct_roofline=100 * gbs / (copy_bw / 1e9),
+                    speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
+                ))
+                print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def bench_adam(device, sizes, ks, repeats):
+    rows = []
+    for n in sizes:
+        src = torch.randn(n, device=device)
+        x_copy = torch.randn(n, device=device)
+        copy_bw = 2 * n * 4 / timer(device, lambda: x_copy.copy_(src), repeats)
+        for k in ks:
+            p = torch.nn.Parameter(torch.randn(n, device=device))
+            p.grad = torch.randn(n, device=device)
+            ys = [torch.randn(n, device=device) for _ in range(k)]
+            sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
+            opt_kw = dict(fused=True) if device == "cuda" else dict(foreach=True)
+            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **opt_kw)
+            x = torch.randn(n, device=device)
+            g = p.grad.detach().clone()
+            m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+            step = [0]
+
+            def ours():
+                step[0] += 1
+                ops.mix_adam_(x, ys, sw, ws, g, m, v, step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+
+            def torch_adamw_then_mix():
+                # AWC needs the pre-update x for the mix; the unfused way keeps a copy of it.
+                with torch.no_grad():
+                    x_old = p.detach().clone()
+                    opt.step()
+                    delta = p.detach().sub_(x_old)
+                    p.detach().copy_(x_old).mul_(sw)
+                    for y, w in zip(ys, ws):
+                        p.detach().add_(y, alpha=w)
+                    p.detach().add_(delta)
+
+            def torch_adamw_only():
+                opt.step()
+
+            t = {"ours": timer(device, ours, repeats), "adamw+mix": timer(device, torch_adamw_then_mix, repeats),
+                 "adamw_only": timer(device, torch_adamw_only, repeats)}
+            min_bytes = n * 4 * (4 + 3 + k)  # read x, g, m, v, k neighbours; write x, m, v
+            gbs = min_bytes / t["ours"] / 1e9
+            rows.append(dict(
+                op="mix_adam_", n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
+                pct_roofline=100 * gbs / (copy_bw / 1e9),
+                speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
+            ))
+            print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def format_row(r):
+    sp = "  ".join(f"{name} {s:.2f}x" for name, s in r["speedup"].items())
+    return (f"| {r['op']:<12} | {r['n'] / 2**20:>5.0f}M | {r['k']} | {r['nb_dtype']:<8} | {r['gbps']:6.2f} | "
+            f"{r['pct_roofline']:5.1f}% | {sp} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="two sizes, k = 1, 2 (about a minute on 2 CPU cores)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
+    args = ap.parse_args()
+
+    sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
+    ks = [1, 2] if args.quick else [1, 2, 4]
+    repeats = args.repeats or (5 if args.device == "cpu" else 50)
+    nb_dtypes = [torch.float32, torch.bfloat16]
+    print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else platform.processor() or platform.machine()}), "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print("speedup = baseline time / our time; roofline = measured x.copy_(y) bandwidth")
+    print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
+    print("|--------------|-------|---|----------|--------|----------|----------------------|")
+    rows = bench_mix(args.device, sizes, ks, nb_dtypes, repeats)
+    rows += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+    path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                     f"mix_kernels_{args.device}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(device=args.device, torch=torch.__version__, threads=torch.get_num_threads(), rows=rows), f,
+                  indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

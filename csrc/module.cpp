@@ -1,0 +1,34 @@
+// The Python module decent_comm._C. Loading it registers the torch.ops.decent_comm operators (ops.cpp);
+// it also exposes how the extension was built, and (later) the stateful C++ objects through pybind11.
+#include <torch/extension.h>
+
+#ifdef DECENT_COMM_WITH_NCCL
+#include <nccl.h>
+#endif
+
+namespace {
+
+bool built_with_cuda() {
+#ifdef DECENT_COMM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+// NCCL version the extension was compiled against as (major, minor, patch), or None without NCCL.
+py::object nccl_version() {
+#ifdef DECENT_COMM_WITH_NCCL
+  return py::make_tuple(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+#else
+  return py::none();
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "decent_comm native extension: fused gossip-mix kernels and the exchange scheduler";
+  m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in");
+  m.def("nccl_version", &nccl_version, "NCCL version compiled against, or None");
+}

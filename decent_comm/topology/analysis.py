@@ -1,0 +1,69 @@
+"""Mixing quality over one period: ``period_product``, ``spectral_gap``, ``finite_time_exact``.
+
+Dense linear algebra on ``n x n`` matrices: meant for analysis and tests,
+not for the training hot path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .base import Topology
+
+
+def period_product(topology: Topology, start: int = 0) -> np.ndarray:
+    """``P = W(start + T - 1) ... W(start + 1) W(start)`` with ``T = period``.
+
+    ``W(start)`` is applied first: one period of gossip maps ``x`` to ``P x``.
+    """
+    n = topology.world_size
+    P = np.eye(n)
+    for t in range(start, start + topology.period):
+        P = np.asarray(topology.matrix(t), dtype=np.float64) @ P
+    return P
+
+
+@dataclasses.dataclass(frozen=True)
+class SpectralGap:
+    """Contraction of the disagreement ``x - mean(x)`` by gossip.
+
+    ``rho``: spectral norm (largest singular value) of ``P - 11^T/n``, ``P``
+    the product of ``W`` over one period.  For a doubly stochastic ``P``,
+    ``||P x - xbar|| <= rho ||x - xbar||`` for every ``x``: the worst-case
+    contraction per period.  For a static symmetric ``W`` it equals the
+    second largest eigenvalue magnitude ``max(|lambda_2|, |lambda_n|)``.
+
+    ``gap = 1 - rho`` (per period; 1 = exact averaging, 0 = no contraction,
+    can be negative for non-doubly-stochastic schedules).
+
+    ``per_step = 1 - rho^(1/period)``: the equivalent per-step gap, to
+    compare schedules with different periods.
+
+    ``period``: the period used.
+    """
+
+    gap: float
+    per_step: float
+    rho: float
+    period: int
+
+
+def spectral_gap(topology: Topology) -> SpectralGap:
+    """``SpectralGap`` of the product of ``W`` over one period (see its docstring)."""
+    n = topology.world_size
+    P = period_product(topology) - np.full((n, n), 1.0 / n)
+    rho = float(np.linalg.norm(P, 2)) if n > 1 else 0.0
+    if rho < 1e-12:
+        rho = 0.0  # exact averaging up to round-off
+    elif abs(rho - 1.0) < 1e-12:
+        rho = 1.0  # no contraction (e.g. disconnected), up to round-off
+    T = topology.period
+    per_step = 1.0 - rho ** (1.0 / T)
+    return SpectralGap(gap=1.0 - rho, per_step=per_step, rho=rho, period=T)
+
+
+def finite_time_exact(topology: Topology, tol: float = 1e-9) -> bool:
+    """True when the product over one period equals ``11^T / n`` (max abs error ``<= tol``)."""
+    n = topology.world_size
+    return bool(np.abs(period_product(topology) - 1.0 / n).max() <= tol)

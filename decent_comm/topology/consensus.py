@@ -1,0 +1,40 @@
+"""Consensus factor: ``W_a(t) = (1 - a) I + a W(t)``.
+
+Used by DSGD with an averaging/consensus step size (DSGD-AC): each rank moves
+only a fraction ``a`` of the way towards the gossip average,
+``x_i <- x_i + a (sum_j W_ij x_j - x_i)``.  ``a = 1`` is plain gossip,
+``a = 0`` no communication at all (then no peers are listed).  Row and column
+sums, non-negativity and the sparsity pattern (for ``a > 0``) are inherited
+from ``W``.
+"""
+from __future__ import annotations
+
+import math
+
+from .base import Peers, Topology
+
+
+class ConsensusTopology(Topology):
+    """``base`` mixed with the identity: ``W = (1 - a) I + a W_base``."""
+
+    def __init__(self, base: Topology, a: float):
+        a = float(a)
+        if not (math.isfinite(a) and 0.0 <= a <= 1.0):
+            raise ValueError(f"consensus factor a must be in [0, 1], got {a!r}")
+        super().__init__(base.world_size, period=base.period, local_world_size=base.local_world_size,
+                         name=f"{base.name}+consensus({a:g})", allow_biased=base.allow_biased)
+        self.base = base
+        self.a = a
+
+    def peers(self, rank: int, step: int) -> Peers:
+        if self.a == 0.0:
+            self._check_rank(rank)
+            return Peers(1.0, [], [])
+        p = self.base.peers(rank, step)
+        a = self.a
+        return Peers((1.0 - a) + a * p.self_weight, [(j, a * w) for j, w in p.recv], list(p.send))
+
+
+def with_consensus(topology: Topology, a: float) -> Topology:
+    """Return ``topology`` with consensus factor ``a``: ``W' = (1-a) I + a W`` (``a`` in [0, 1])."""
+    return ConsensusTopology(topology, a)

@@ -1,0 +1,92 @@
+"""User-given graphs: ``from_matrix`` (dense W or a cycled list of W's) and ``from_networkx``."""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Topology
+from .validation import check_matrix
+
+
+class MatrixTopology(Topology):
+    """Topology from explicit matrices ``W(t) = Ws[t % len(Ws)]``; ``peers`` derived (cached per step)."""
+
+    def __init__(self, matrices, *, allow_biased: bool = False, local_world_size: int | None = None,
+                 name: str = "custom"):
+        mats = [check_matrix(W, step=t, allow_biased=allow_biased) for t, W in enumerate(matrices)]
+        if not mats:
+            raise ValueError("from_matrix needs at least one matrix")
+        n = mats[0].shape[0]
+        for t, W in enumerate(mats):
+            if W.shape != (n, n):
+                raise ValueError(f"step {t}: mixing matrix must be {n} x {n} like step 0, got shape {W.shape}")
+            W.setflags(write=False)
+        super().__init__(n, period=len(mats), local_world_size=local_world_size, name=name,
+                         allow_biased=allow_biased)
+        self._mats = mats
+
+    def matrix(self, step):
+        return self._mats[step % self.period].copy()
+
+
+def _as_matrix_list(W) -> list:
+    """A 2-D array-like is one (static) matrix; a 3-D one or a list of 2-D ones is a schedule."""
+    try:
+        arr = np.asarray(W, dtype=np.float64)
+    except (TypeError, ValueError):
+        arr = None  # ragged: a list of matrices of different shapes
+    if arr is not None and arr.ndim == 2:
+        return [arr]
+    if arr is not None and arr.ndim == 3:
+        return list(arr)
+    if arr is None and isinstance(W, (list, tuple)):
+        return list(W)
+    raise ValueError(f"from_matrix expects an n x n matrix or a list of them, got an array of shape {arr.shape}")
+
+
+def from_matrix(W, *, allow_biased: bool = False, local_world_size: int | None = None,
+                name: str = "custom") -> Topology:
+    """Topology from ``W`` (n x n: static, period 1) or ``[W0, W1, ...]`` (cycled, period = length).
+
+    Each ``W(t)`` must be square, finite, non-negative, row-stochastic and,
+    unless ``allow_biased=True``, column-stochastic; else ``ValueError`` naming
+    the step and row/column.
+    """
+    return MatrixTopology(_as_matrix_list(W), allow_biased=allow_biased,
+                          local_world_size=local_world_size, name=name)
+
+
+def metropolis_hastings(G) -> np.ndarray:
+    """Metropolis-Hastings weights of an undirected graph with nodes ``0..n-1``.
+
+    ``W_ij = 1 / (1 + max(deg_i, deg_j))`` for every edge ``{i, j}`` (self
+    loops ignored), ``W_ii = 1 - sum_{j != i} W_ij``.  Symmetric and doubly
+    stochastic (Xiao & Boyd, "Fast linear iterations for distributed
+    averaging", 2004).
+    """
+    if G.is_directed():
+        raise ValueError("from_networkx needs an undirected graph (Metropolis-Hastings weights are symmetric)")
+    nodes = list(G.nodes())
+    n = len(nodes)
+    if n == 0 or set(nodes) != set(range(n)):
+        raise ValueError(f"from_networkx needs nodes labelled 0..n-1, got {nodes[:10]}"
+                         " (use networkx.convert_node_labels_to_integers)")
+    edges = {(min(i, j), max(i, j)) for i, j in G.edges() if i != j}
+    deg = np.zeros(n, dtype=np.int64)
+    for i, j in edges:
+        deg[i] += 1
+        deg[j] += 1
+    W = np.zeros((n, n))
+    for i, j in edges:
+        W[i, j] = W[j, i] = 1.0 / (1 + max(deg[i], deg[j]))
+    np.fill_diagonal(W, 1.0 - W.sum(axis=1))
+    return W
+
+
+def from_networkx(G, *, local_world_size: int | None = None, name: str = "networkx") -> Topology:
+    """Static topology from an undirected graph (or a list of graphs, cycled) with MH weights.
+
+    networkx is optional: any object with ``is_directed()``, ``nodes()`` and
+    ``edges()`` works; nodes must be ``0..n-1``.
+    """
+    graphs = G if isinstance(G, (list, tuple)) else [G]
+    return from_matrix([metropolis_hastings(g) for g in graphs], local_world_size=local_world_size, name=name)

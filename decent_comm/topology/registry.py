@@ -1,0 +1,64 @@
+"""``make(name, world_size, ...)``: the built-in topologies by name."""
+from __future__ import annotations
+
+from .aer import AlternatingExponentialRing
+from .base import Topology
+from .base_k import BaseGraph
+from .builtins import (Complete, Exponential, Local, OnePeerExponential, OnePeerRing, Ring,
+                       Torus)
+from .validation import check_world_size, resolve_local_world_size
+
+# name -> (class, accepted options)
+_BUILTINS = {
+    "complete": (Complete, ()),
+    "ring": (Ring, ()),
+    "one-peer-ring": (OnePeerRing, ()),
+    "exp": (Exponential, ()),
+    "one-peer-exp": (OnePeerExponential, ()),
+    "aer": (AlternatingExponentialRing, ()),
+    "torus": (Torus, ()),
+    "base-k": (BaseGraph, ("k", "simple")),
+    "local": (Local, ()),
+}
+
+#: Canonical names of the built-in topologies (``make`` also accepts ``_`` for ``-``).
+NAMES = tuple(_BUILTINS)
+
+#: ``make`` runs ``validate()`` on a built-in when ``world_size <= 256`` and
+#: ``world_size * degree <= 16384`` (cost O(period * n * degree); larger
+#: schedules are left lazy so construction stays O(1)).
+VALIDATE_MAX_WORLD_SIZE = 256
+VALIDATE_MAX_WORK = 16384
+
+
+def canonical_name(name: str) -> str:
+    """``'One_Peer_Exp'`` -> ``'one-peer-exp'``; ``ValueError`` listing ``NAMES`` if unknown."""
+    key = str(name).strip().lower().replace("_", "-")
+    if key not in _BUILTINS:
+        raise ValueError(f"unknown topology {name!r}; valid names: {', '.join(NAMES)}"
+                         " (or use from_matrix / from_networkx / a Topology subclass)")
+    return key
+
+
+def make(name: str, world_size: int, local_world_size: int | None = None, **options) -> Topology:
+    """Built-in topology ``name`` on ``world_size`` ranks.
+
+    ``local_world_size`` (ranks per node) defaults to the ``LOCAL_WORLD_SIZE``
+    environment variable set by torchrun, else ``world_size``; it must divide
+    ``world_size``.  ``options`` are topology specific (``base-k``: ``k``,
+    ``simple``).  Small schedules are validated here (see
+    ``VALIDATE_MAX_WORK``); large ones are built lazily so construction is
+    O(1) (tests validate the built-ins exhaustively for small n).
+    """
+    key = canonical_name(name)
+    n = check_world_size(world_size)
+    L = resolve_local_world_size(n, local_world_size)
+    cls, accepted = _BUILTINS[key]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"topology {key!r} does not take option(s) {unknown};"
+                         f" accepted options: {list(accepted) or 'none'}")
+    topo = cls(n, L, **options)
+    if n <= VALIDATE_MAX_WORLD_SIZE and n * max(1, topo.peers(0, 0).degree) <= VALIDATE_MAX_WORK:
+        topo.validate()
+    return topo

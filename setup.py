@@ -1,0 +1,130 @@
+"""Builds decent_comm and its native extension decent_comm._C with torch.utils.cpp_extension + ninja.
+
+The CPU kernels are always built. The CUDA kernels (and the NCCL transport) are built when nvcc is found
+and torch is a CUDA build, even with no GPU present; DECENT_COMM_CUDA=0|1 forces either way.
+
+    pip install --no-build-isolation -e .        # or: python setup.py build_ext --inplace
+"""
+
+import glob
+import importlib.util
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_tools.cuda_home import find_cuda_home  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # A100, H100, and PTX for anything newer
+
+
+def log(msg):
+    print(f"[decent_comm setup] {msg}", file=sys.stderr)
+
+
+# Must be set before torch.utils.cpp_extension is imported: it reads CUDA_HOME at import time.
+_cuda_home = find_cuda_home()
+if _cuda_home and not os.environ.get("CUDA_HOME"):
+    os.environ["CUDA_HOME"] = _cuda_home
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def want_cuda():
+    forced = os.environ.get("DECENT_COMM_CUDA")
+    have = bool(_cuda_home) and os.path.exists(os.path.join(_cuda_home, "bin", "nvcc")) and bool(torch.version.cuda)
+    if forced == "0":
+        return False
+    if forced == "1":
+        if not have:
+            raise RuntimeError(
+                f"DECENT_COMM_CUDA=1 but no usable CUDA toolchain: CUDA_HOME={_cuda_home!r}, "
+                f"torch.version.cuda={torch.version.cuda!r}"
+            )
+        return True
+    return have
+
+
+def find_nccl():
+    """(include_dir, lib_file) of the NCCL that torch's CUDA wheel depends on (nvidia-nccl-cu*), or None.
+
+    The package is a namespace package without __init__.py and ships only libnccl.so.2 (no unversioned
+    .so), so it is located through importlib and linked by full path.
+    """
+    env_home = os.environ.get("NCCL_HOME")
+    candidates = [env_home] if env_home else []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [os.path.join(p, "nccl") for p in spec.submodule_search_locations]
+    for home in candidates:
+        header = os.path.join(home, "include", "nccl.h")
+        libs = sorted(glob.glob(os.path.join(home, "lib", "libnccl.so*")))
+        if os.path.exists(header) and libs:
+            return os.path.join(home, "include"), libs[0]
+    return None
+
+
+def cxx_std_flag():
+    # torch 2.14 headers need C++20; older torch (>= 2.4) builds fine with it too.
+    return "-std=c++20"
+
+
+def build_extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/comm/*.cpp"))
+    # -fopenmp: at::parallel_for is inline header code that only runs in parallel when compiled with OpenMP.
+    cxx_flags = [cxx_std_flag(), "-O3", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    define_macros = []
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    extra_link_args = ["-fopenmp"]
+    use_cuda = want_cuda()
+    if not use_cuda:
+        log(f"building CPU kernels only (CUDA_HOME={_cuda_home!r}, torch.version.cuda={torch.version.cuda!r})")
+        return CppExtension(
+            "decent_comm._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=extra_link_args,
+        )
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    log(f"building CPU + CUDA kernels (CUDA_HOME={_cuda_home}, archs {os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPU')})")
+    sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    define_macros.append(("DECENT_COMM_WITH_CUDA", None))
+    nccl = None if os.environ.get("DECENT_COMM_NCCL") == "0" else find_nccl()
+    if nccl is not None:
+        nccl_include, nccl_lib = nccl
+        log(f"NCCL transport: {nccl_lib}")
+        sources += sorted(glob.glob("csrc/comm/nccl/*.cpp"))
+        define_macros.append(("DECENT_COMM_WITH_NCCL", None))
+        include_dirs.append(nccl_include)
+        extra_link_args += [nccl_lib, f"-Wl,-rpath,{os.path.dirname(nccl_lib)}"]
+    else:
+        log("NCCL not found: building without the NCCL transport")
+    nvcc_flags = [cxx_std_flag(), "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    return CUDAExtension(
+        "decent_comm._C",
+        sources,
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=extra_link_args,
+    )
+
+
+setup(
+    name="decent_comm",
+    version="0.1.0",
+    description="Decentralized data-parallel training for PyTorch: fused gossip kernels, a C++ exchange "
+    "scheduler, topologies and drop-in optimizers",
+    packages=find_packages(include=["decent_comm", "decent_comm.*"]),
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+)

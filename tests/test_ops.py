@@ -1,0 +1,369 @@
+"""The fused gossip-mix ops against float64 references and torch.optim, on every device present."""
+
+import itertools
+
+import pytest
+import torch
+
+import decent_comm
+from decent_comm import ops
+
+from mix_reference import accum_adam64, adam64, assert_close_to_ref, mix64, sgd64
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = {"cpu": [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+          "cuda": [torch.float32, torch.bfloat16, torch.float16]}
+SIZES = [0, 1, 7, 4097, 100_003]
+
+
+def flat(n, dtype, device, offset=0, gen=None, scale=1.0):
+    """A random 1-D buffer of n elements; offset > 0 makes it a view whose data is not 16-byte aligned."""
+    base = torch.randn(n + offset, generator=gen, dtype=torch.float64) * scale
+    return base.to(device=device, dtype=dtype)[offset:]
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def random_weights(k, g):
+    w = torch.rand(k + 1, generator=g, dtype=torch.float64) + 0.1
+    w = (w / w.sum()).tolist()
+    return w[0], w[1:]
+
+
+# ---------------------------------------------------------------------------------------------- gossip_mix_
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", list(range(10)) + [16, 32])
+def test_gossip_mix_sizes_and_neighbor_counts(device, n, k):
+    g = gen(1000 * k + n)
+    x = flat(n, torch.float32, device, gen=g)
+    ys = [flat(n, torch.float32, device, gen=g) for _ in range(k)]
+    sw, ws = random_weights(k, g)
+    ref, scale = mix64(x, ys, sw, ws)
+    ops.gossip_mix_(x, ys, sw, ws)
+    assert_close_to_ref(x.cpu(), ref.cpu(), scale.cpu(), torch.float32, k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gossip_mix_every_dtype_combination(device):
+    for x_dtype, y_dtype in itertools.product(DTYPES[device], DTYPES[device]):
+        for n, offset, k in [(4097, 0, 1), (4097, 1, 2), (333, 3, 3), (8, 0, 5)]:
+            g = gen(hash((str(x_dtype), str(y_dtype), n, k)) % 2**31)
+            x = flat(n, x_dtype, device, offset, g)
+            ys = [flat(n, y_dtype, device, offset + j % 2, g) for j in range(k)]
+            sw, ws = random_weights(k, g)
+            ref, scale = mix64(x, ys, sw, ws)
+            ops.gossip_mix_(x, ys, sw, ws)
+            opmath = torch.float64 if x_dtype == torch.float64 else torch.float32
+            # the result is rounded to x's dtype; accumulation happens in opmath
+            assert_close_to_ref(x.cpu(), ref.cpu(), scale.cpu(), x_dtype if x_dtype != torch.float64 else opmath, k,
+                                what=f"x {x_dtype} / neighbors {y_dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gossip_mix_misaligned_views(device):
+    for offset in range(1, 8):
+        g = gen(offset)
+        n = 1001
+        x = flat(n, torch.bfloat16, device, offset, g)
+        ys = [flat(n, torch.float32, device, (offset * 3 + j) % 5, g) for j in range(2)]
+        sw, ws = random_weights(2, g)
+        ref, scale = mix64(x, ys, sw, ws)
+        ops.gossip_mix_(x, ys, sw, ws)
+        assert_close_to_ref(x.cpu(), ref.cpu(), scale.cpu(), torch.bfloat16, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gossip_mix_reports_disagreement(device):
+    g = gen(7)
+    for n in [0, 5, 4097, 70_001]:
+        x = flat(n, torch.float32, device, gen=g)
+        ys = [flat(n, torch.bfloat16, device, gen=g) for _ in range(3)]
+        sw, ws = random_weights(3, g)
+        ref, _ = mix64(x, ys, sw, ws)
+        want = float(((ref - x.double()) ** 2).sum())
+        out = torch.full((1,), 123.0, device=device)
+        ops.gossip_mix_(x, ys, sw, ws, disagreement=out)
+        assert float(out) == pytest.approx(want, rel=1e-5, abs=1e-30)
+
+
+# ------------------------------------------------------------------------------------------- optimizer ops
+
+SGD_FLAGS = [dict(momentum=m, dampening=d, nesterov=nv, weight_decay=wd)
+             for m, d, nv, wd in itertools.product([0.0, 0.9], [0.0, 0.3], [False, True], [0.0, 0.05])
+             if not (nv and (m == 0 or d != 0))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flags", SGD_FLAGS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_mix_sgd_matches_reference(device, flags, k):
+    for x_dtype in DTYPES[device]:
+        g = gen(k)
+        n = 4099
+        x = flat(n, x_dtype, device, gen=g)
+        ys = [flat(n, torch.bfloat16 if j % 2 else x_dtype, device, gen=g) for j in range(k)]
+        ys = [y.to(ys[0].dtype) for y in ys]  # one neighbour dtype per call
+        grad = flat(n, x_dtype, device, gen=g)
+        buf = flat(n, torch.float32, device, gen=g)
+        sw, ws = random_weights(k, g)
+        for first_step in [True, False]:
+            x1, buf1 = x.clone(), buf.clone()
+            mixed, scale = mix64(x1, ys, sw, ws)
+            ref, ref_buf = sgd64(x1.double(), mixed, grad, buf1, lr=0.1, first_step=first_step, **flags)
+            ops.mix_sgd_(x1, ys, sw, ws, grad, buf1 if flags["momentum"] else None, lr=0.1,
+                         first_step=first_step, **flags)
+            update = (ref - mixed).abs()
+            opmath = torch.float64 if x_dtype == torch.float64 else x_dtype
+            assert_close_to_ref(x1.cpu(), ref.cpu(), (scale + update + x1.double().abs()).cpu(), opmath, k + 8)
+            if flags["momentum"]:
+                assert_close_to_ref(buf1.cpu(), ref_buf.cpu(), ref_buf.abs().cpu() + grad.double().abs().cpu(),
+                                    torch.float32, 8, what="momentum_buffer")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 16])
+def test_mix_adam_matches_reference(device, decoupled, weight_decay, k):
+    for x_dtype in DTYPES[device]:
+        g = gen(31 * k + int(decoupled))
+        n = 4101
+        x = flat(n, x_dtype, device, gen=g)
+        ys = [flat(n, torch.float32, device, gen=g) for _ in range(k)]
+        grad = flat(n, x_dtype, device, gen=g)
+        m = flat(n, torch.float32, device, gen=g, scale=0.1)
+        v = flat(n, torch.float32, device, gen=g).abs() * 0.01
+        sw, ws = random_weights(k, g)
+        for step in [1, 2, 10]:
+            x1, m1, v1 = x.clone(), m.clone(), v.clone()
+            mixed, scale = mix64(x1, ys, sw, ws)
+            hp = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)
+            ref, ref_m, ref_v = adam64(x1.double(), mixed, grad, m1, v1, step, **hp)
+            ops.mix_adam_(x1, ys, sw, ws, grad, m1, v1, step, **hp)
+            update = (ref - mixed).abs()
+            opmath = torch.float64 if x_dtype == torch.float64 else x_dtype
+            assert_close_to_ref(x1.cpu(), ref.cpu(), (scale + 10 * update + x1.double().abs()).cpu(), opmath, k + 10)
+            assert_close_to_ref(m1.cpu(), ref_m.cpu(), ref_m.abs().cpu() + grad.double().abs().cpu(), torch.float32, 8,
+                                what="exp_avg")
+            assert_close_to_ref(v1.cpu(), ref_v.cpu(), ref_v.abs().cpu(), torch.float32, 8, what="exp_avg_sq")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("accum_steps", [1, 3])
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_mix_accum_adam_matches_reference_over_steps(device, decoupled, accum_steps, k):
+    """Eight consecutive steps (two flushes of the accumulator for K = 3) against the float64 loop."""
+    for x_dtype in DTYPES[device]:
+        g = gen(17 * k + accum_steps)
+        n = 2053
+        x = flat(n, x_dtype, device, gen=g)
+        state = [torch.zeros(n, device=device) for _ in range(3)]
+        ref_x, ref_state = x.double(), [s.double() for s in state]
+        hp = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, decoupled=decoupled)
+        for step in range(1, 9):
+            ys = [flat(n, torch.bfloat16, device, gen=g) for _ in range(k)]
+            grad = flat(n, x_dtype, device, gen=g)
+            sw, ws = random_weights(k, g)
+            mixed, scale = mix64(ref_x, ys, sw, ws)
+            old_state = [s.double() for s in state]
+            ref_x_new, *ref_state = accum_adam64(ref_x, mixed, grad, *ref_state, step, accum_steps, **hp)
+            ops.mix_accum_adam_(x, ys, sw, ws, grad, *state, step, accum_steps, **hp)
+            # compare the one-step result from the same inputs, then continue from what the kernel produced
+            opmath = torch.float64 if x_dtype == torch.float64 else x_dtype
+            update = (ref_x_new - mixed).abs()
+            assert_close_to_ref(x.cpu(), ref_x_new.cpu(), (scale + 10 * update + ref_x.abs()).cpu(), opmath, k + 12,
+                                what=f"x at step {step}")
+            # the state update can cancel (M = b1*M + (1-b1)*A), so the error scales with its inputs
+            magnitude = sum(s.abs() for s in old_state) + grad.double().abs() + ref_x.abs()
+            for name, s, r in zip(["M", "V", "A"], state, ref_state):
+                assert_close_to_ref(s.cpu(), r.cpu(), (r.abs() + magnitude).cpu(), torch.float32, 10,
+                                    what=f"{name} at step {step}")
+            ref_x, ref_state = x.double(), [s.double() for s in state]
+
+
+def test_accum_adam_state_is_flushed_every_k_steps():
+    n, K = 64, 3
+    x = torch.zeros(n)
+    M, V, A = (torch.zeros(n) for _ in range(3))
+    grads = [torch.full((n,), float(i + 1)) for i in range(K)]
+    for t, g in enumerate(grads, start=1):
+        ops.mix_accum_adam_(x, [], 1.0, [], g, M, V, A, t, K, lr=0.0)
+        if t < K:
+            assert torch.all(M == 0) and torch.all(A > 0)
+    mean_g = sum(g for g in grads) / K
+    torch.testing.assert_close(M, 0.1 * mean_g)
+    torch.testing.assert_close(V, 0.001 * mean_g ** 2)
+    assert torch.all(A == 0)
+
+
+# ------------------------------------------------------------------------- no neighbours == torch.optim
+
+TORCH_OPT_CASES = (
+    [("sgd", dict(lr=0.05, **f)) for f in SGD_FLAGS]
+    + [("adam", dict(lr=0.01, weight_decay=wd)) for wd in [0.0, 0.1]]
+    + [("adamw", dict(lr=0.01, weight_decay=wd)) for wd in [0.0, 0.1]]
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,hp", TORCH_OPT_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(TORCH_OPT_CASES)])
+def test_no_neighbors_equals_torch_optimizer(device, kind, hp):
+    """k = 0 and self_weight = 1 is exactly one torch.optim step (how ATC mode runs its local update)."""
+    g = gen(3)
+    n = 3001
+    p_ref = torch.nn.Parameter(flat(n, torch.float32, device, gen=g))
+    x = p_ref.detach().clone()
+    if kind == "sgd":
+        opt = torch.optim.SGD([p_ref], foreach=False, **hp)
+    elif kind == "adam":
+        opt = torch.optim.Adam([p_ref], foreach=False, **hp)
+    else:
+        opt = torch.optim.AdamW([p_ref], foreach=False, **hp)
+    state = [torch.zeros(n, device=device) for _ in range(2)]
+    for step in range(1, 6):
+        grad = flat(n, torch.float32, device, gen=g)
+        p_ref.grad = grad.clone()
+        opt.step()
+        if kind == "sgd":
+            ops.mix_sgd_(x, [], 1.0, [], grad, state[0], first_step=step == 1, **hp)
+        else:
+            ops.mix_adam_(x, [], 1.0, [], grad, state[0], state[1], step, decoupled=kind == "adamw", **hp)
+        torch.testing.assert_close(x, p_ref.detach(), rtol=2e-6, atol=2e-6)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def _ok_args(n=16):
+    return torch.zeros(n), [torch.zeros(n)], 0.5, [0.5]
+
+
+@pytest.mark.parametrize(
+    "mutate,pattern",
+    [
+        (lambda a: a.update(ys=[torch.zeros(15)]), r"neighbors\[0\] has 15 elements but x has 16"),
+        (lambda a: a.update(ws=[0.5, 0.1]), r"1 neighbors but 2 weights"),
+        (lambda a: a.update(ys=[torch.zeros(16), torch.zeros(16, dtype=torch.bfloat16)], ws=[0.2, 0.3]),
+         r"neighbors\[1\] has dtype BFloat16 but neighbors\[0\] has Float"),
+        (lambda a: a.update(x=torch.zeros(32)[::2]), r"x must be contiguous"),
+        (lambda a: a.update(ys=[torch.zeros(32)[::2]]), r"neighbors\[0\] must be contiguous"),
+        (lambda a: a.update(x=torch.zeros(4, 4)), r"x must be a 1-D flat buffer"),
+        (lambda a: a.update(x=torch.zeros(16, dtype=torch.int32)), r"x has unsupported dtype Int"),
+        (lambda a: a.update(ys=[torch.zeros(16, device="meta")]), r"neighbors\[0\] is on meta but x is on cpu"),
+        (lambda a: a.update(ys=[torch.zeros(16)] * 33, ws=[0.01] * 33), r"at most 32 are supported"),
+        (lambda a: a.update(ws=[float("nan")]), r"weights\[0\] must be finite"),
+    ],
+)
+def test_gossip_mix_bad_input_raises_and_writes_nothing(mutate, pattern):
+    x, ys, sw, ws = _ok_args()
+    a = dict(x=x, ys=ys, sw=sw, ws=ws)
+    mutate(a)
+    before = a["x"].clone()
+    with pytest.raises(RuntimeError, match=pattern):
+        ops.gossip_mix_(a["x"], a["ys"], a["sw"], a["ws"])
+    assert torch.equal(a["x"], before)
+
+
+def test_optimizer_ops_bad_input():
+    x, ys, sw, ws = _ok_args()
+    g = torch.zeros(16)
+    st = [torch.zeros(16) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="grad has 8 elements"):
+        ops.mix_sgd_(x, ys, sw, ws, torch.zeros(8), None, lr=0.1)
+    with pytest.raises(RuntimeError, match="grad has dtype BFloat16 but x has Float"):
+        ops.mix_sgd_(x, ys, sw, ws, g.bfloat16(), None, lr=0.1)
+    with pytest.raises(RuntimeError, match="momentum_buffer is required"):
+        ops.mix_sgd_(x, ys, sw, ws, g, None, lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="momentum_buffer must be float32"):
+        ops.mix_sgd_(x, ys, sw, ws, g, st[0].double(), lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="nesterov momentum requires"):
+        ops.mix_sgd_(x, ys, sw, ws, g, st[0], lr=0.1, momentum=0.0, nesterov=True)
+    with pytest.raises(RuntimeError, match="exp_avg_sq must be float32"):
+        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1].half(), 1, lr=0.1)
+    with pytest.raises(RuntimeError, match="step is the 1-based count"):
+        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1], 0, lr=0.1)
+    with pytest.raises(RuntimeError, match="beta2 must be in"):
+        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1], 1, lr=0.1, beta2=1.0)
+    with pytest.raises(RuntimeError, match="accum has 15 elements"):
+        ops.mix_accum_adam_(x, ys, sw, ws, g, st[0], st[1], torch.zeros(15), 1, 2, lr=0.1)
+    with pytest.raises(RuntimeError, match="accum_steps must be >= 1"):
+        ops.mix_accum_adam_(x, ys, sw, ws, g, *st, 1, 0, lr=0.1)
+    with pytest.raises(RuntimeError, match="disagreement must be a 1-element float32"):
+        ops.gossip_mix_(x, ys, sw, ws, disagreement=torch.zeros(2))
+    assert torch.all(x == 0) and all(torch.all(s == 0) for s in st)
+
+
+def test_float64_is_rejected_on_cuda_meta_check():
+    # float64 storage exists only on CPU; the check runs before any CUDA work, so it is testable anywhere
+    # a CUDA device exists. On CPU float64 is accepted.
+    x = torch.zeros(4, dtype=torch.float64)
+    ops.gossip_mix_(x, [torch.ones(4, dtype=torch.float64)], 0.5, [0.5])
+    assert torch.all(x == 0.5)
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="unsupported dtype Double"):
+            ops.gossip_mix_(x.cuda(), [], 1.0, [])
+
+
+# ---------------------------------------------------------------------------- registration and compile
+
+OPCHECK_CASES = {
+    "gossip_mix_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d), torch.randn(37, device=d)],
+                              0.4, [0.3, 0.3]),
+    "mix_sgd_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
+                           torch.randn(37, device=d), torch.randn(37, device=d), 0.1, 0.9, 0.0, 0.01, True, False),
+    "mix_adam_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
+                            torch.randn(37, device=d), torch.zeros(37, device=d), torch.zeros(37, device=d), 1,
+                            0.01, 0.9, 0.999, 1e-8, 0.01, True),
+    "mix_accum_adam_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
+                                  torch.randn(37, device=d), torch.zeros(37, device=d), torch.zeros(37, device=d),
+                                  torch.zeros(37, device=d), 2, 2, 0.01, 0.9, 0.999, 1e-8, 0.01, False),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(OPCHECK_CASES))
+def test_opcheck(device, name):
+    op = getattr(torch.ops.decent_comm, name).default
+    torch.library.opcheck(op, OPCHECK_CASES[name](device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    def step(x, y, grad, m, v):
+        torch.ops.decent_comm.mix_adam_(x, [y], 0.5, [0.5], grad, m, v, 1, 0.01, 0.9, 0.999, 1e-8, 0.0, True)
+        return x * 2
+
+    n = 257
+    args = [torch.randn(n, device=device) for _ in range(3)] + [torch.zeros(n, device=device) for _ in range(2)]
+    eager_args = [a.clone() for a in args]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(*args)
+    ref = step(*eager_args)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(args, eager_args):
+        torch.testing.assert_close(a, b)
+
+
+def test_cuda_kernels_registered_in_cuda_build():
+    names = ["gossip_mix_", "mix_sgd_", "mix_adam_", "mix_accum_adam_"]
+    for name in names:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"decent_comm::{name}", "CPU")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"decent_comm::{name}", "Meta")
+    if not ops.has_cuda_kernels():
+        pytest.skip("this build has no CUDA kernels (no nvcc or a CPU-only torch)")
+    for name in names:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"decent_comm::{name}", "CUDA"), name
+
+
+def test_cuda_build_expected_when_toolchain_present():
+    """With nvcc and a CUDA torch, the default build must include the CUDA kernels (CI checks the build)."""
+    import os
+    import shutil
+    if os.environ.get("DECENT_COMM_CUDA") == "0" or shutil.which("nvcc") is None or not torch.version.cuda:
+        pytest.skip("no CUDA toolchain, or CUDA explicitly disabled")
+    assert ops.has_cuda_kernels()
+    assert decent_comm._native.nccl_version() is not None

@@ -1,0 +1,617 @@
+"""Tests for decent_comm.topology (pure numpy; single process)."""
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decent_comm import topology as T
+
+TOL = 1e-9
+SETTINGS = settings(max_examples=120, deadline=None)
+
+
+# ----------------------------------------------------------------------------- helpers
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def is_pow2(n):
+    return n & (n - 1) == 0
+
+
+def shift(n, m):
+    """S^m with (S^m x)_i = x_{i-m}: row i has a 1 in column i - m (mod n)."""
+    S = np.zeros((n, n))
+    for i in range(n):
+        S[i, (i - m) % n] = 1.0
+    return S
+
+
+def product(mats):
+    P = np.eye(mats[0].shape[0])
+    for W in mats:
+        P = W @ P
+    return P
+
+
+def check_schedule(topo):
+    """Row/column stochastic, non-negative, peers == matrix, send/recv symmetric, periodic."""
+    n, period = topo.world_size, topo.period
+    for t in range(period):
+        W = topo.matrix(t)
+        assert W.shape == (n, n) and W.dtype == np.float64
+        assert (W >= 0).all()
+        np.testing.assert_allclose(W.sum(axis=1), 1.0, atol=TOL)
+        np.testing.assert_allclose(W.sum(axis=0), 1.0, atol=TOL)
+        np.testing.assert_array_equal(W, topo.matrix(t + period))
+        np.testing.assert_array_equal(W, topo.matrix(t + 3 * period))
+        recv_sets, send_sets = [], []
+        for i in range(n):
+            p = topo.peers(i, t)
+            assert p.self_weight == pytest.approx(W[i, i], abs=1e-12)
+            ranks = [j for j, _ in p.recv]
+            assert ranks == sorted(set(ranks)) and i not in ranks
+            assert ranks == [j for j in range(n) if j != i and W[i, j] > 0]
+            for j, w in p.recv:
+                assert w == pytest.approx(W[i, j], abs=1e-12)
+            assert p.send == [j for j in range(n) if j != i and W[j, i] > 0]
+            recv_sets.append(set(ranks))
+            send_sets.append(set(p.send))
+            q = topo.peers(i, t + period)
+            assert (q.self_weight, q.recv, q.send) == (p.self_weight, p.recv, p.send)
+        for i in range(n):
+            for j in range(n):
+                assert (j in recv_sets[i]) == (i in send_sets[j])
+
+
+@st.composite
+def builtins(draw):
+    name = draw(st.sampled_from(T.NAMES))
+    if name == "aer":
+        L = draw(st.integers(1, 8))
+        n = L * 2 ** draw(st.integers(0, 3))
+        return T.make(name, n, local_world_size=L)
+    n = draw(st.integers(1, 64))
+    L = draw(st.sampled_from(divisors(n)))
+    options = {"k": draw(st.integers(1, 3))} if name == "base-k" else {}
+    return T.make(name, n, local_world_size=L, **options)
+
+
+def promised_exact(topo):
+    n = topo.world_size
+    return (n == 1 or topo.name in ("complete", "base-k", "aer")
+            or (topo.name == "one-peer-exp" and is_pow2(n)))
+
+
+# ----------------------------------------------------------------------------- properties of built-ins
+@SETTINGS
+@given(builtins())
+def test_builtin_schedule_properties(topo):
+    check_schedule(topo)
+    topo.validate()
+
+
+@SETTINGS
+@given(builtins())
+def test_builtin_mixing(topo):
+    n = topo.world_size
+    gap = T.spectral_gap(topo)
+    if topo.name == "local" and n > 1:
+        assert gap.gap == pytest.approx(0.0, abs=1e-12)
+    else:
+        assert gap.gap > 1e-6 and gap.per_step > 0
+    if promised_exact(topo):
+        assert T.finite_time_exact(topo)
+        assert gap.gap == pytest.approx(1.0)
+    if topo.name in ("one-peer-exp", "one-peer-ring"):
+        assert all(topo.peers(i, t).degree <= 1 for t in range(topo.period) for i in range(n))
+    if topo.name == "base-k":
+        k = topo.k
+        assert all(topo.peers(i, t).degree <= k for t in range(topo.period) for i in range(n))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_base_k_exact_for_every_n(k):
+    for n in range(1, 65):
+        for simple in (False, True):
+            topo = T.make("base-k", n, k=k, simple=simple)
+            assert T.finite_time_exact(topo), (n, k, simple)
+            degs = [topo.peers(i, t).degree for t in range(topo.period) for i in range(n)]
+            assert max(degs) <= k, (n, k, simple)
+        if n == 1:
+            assert topo.period == 1
+        else:   # paper: O(log_{k+1} n) rounds
+            assert topo.period <= 2 * math.ceil(math.log(n, k + 1) - 1e-12) + 2, (n, k)
+
+
+def test_base_k_uses_its_degree_budget():
+    # k = 1 on a power of two is the 1-peer hypercube: log2(n) perfect matchings
+    topo = T.make("base-k", 16, k=1)
+    assert topo.period == 4
+    assert all(len(topo.peers(i, t).recv) == 1 for t in range(4) for i in range(16))
+    topo = T.make("base-k", 27, k=2)
+    assert topo.period == 3 and T.finite_time_exact(topo)
+    topo = T.make("base-k", 6, k=1)   # not a power of two: still exact with one peer
+    assert T.finite_time_exact(topo) and topo.period <= 2 * 3 + 2
+
+
+@pytest.mark.parametrize("name", T.NAMES)
+def test_world_size_one(name):
+    topo = T.make(name, 1, local_world_size=1)
+    assert topo.period == 1
+    p = topo.peers(0, 0)
+    assert (p.self_weight, p.recv, p.send) == (1.0, [], [])
+    np.testing.assert_array_equal(topo.matrix(5), [[1.0]])
+
+
+@pytest.mark.parametrize("name", T.NAMES)
+def test_large_world_size_is_fast(name):
+    best = min(_timed(lambda: T.make(name, 4096, local_world_size=8)) for _ in range(3))
+    assert best < 0.05, f"make({name!r}, 4096) took {best:.3f}s"
+    topo = T.make(name, 4096, local_world_size=8)
+    p = topo.peers(4095, 7)
+    assert p.degree <= 4095
+    if name != "complete":
+        best = min(_timed(lambda: topo.peers(1234, 5)) for _ in range(5))
+        assert best < 1e-3
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def test_aliases_and_names():
+    assert T.make("one_peer_exp", 8).name == "one-peer-exp"
+    assert T.make("One-Peer_Ring", 8).name == "one-peer-ring"
+    assert T.make("BASE_K", 8, k=2).name == "base-k"
+    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "aer",
+                            "torus", "base-k", "local"}
+
+
+def test_local_world_size_from_env(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert T.make("ring", 16).local_world_size == 4
+    assert T.make("aer", 16).num_nodes == 4
+    assert T.make("ring", 16, local_world_size=2).local_world_size == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        T.make("ring", 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert T.make("ring", 16).local_world_size == 16
+
+
+# ----------------------------------------------------------------------------- independent references
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 64])
+def test_exp_matches_dense_reference(n):
+    tau = math.ceil(math.log2(n))
+    W = (np.eye(n) + sum(np.linalg.matrix_power(shift(n, 1), 2 ** k) for k in range(tau))) / (tau + 1)
+    np.testing.assert_allclose(T.make("exp", n).matrix(0), W, atol=1e-15)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 12, 16, 64])
+def test_one_peer_exp_matches_reference(n):
+    topo = T.make("one-peer-exp", n)
+    tau = math.ceil(math.log2(n))
+    assert topo.period == tau
+    for t in range(2 * tau):
+        np.testing.assert_allclose(topo.matrix(t), (np.eye(n) + shift(n, 2 ** (t % tau))) / 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 9, 10])
+def test_ring_matches_reference(n):
+    if n >= 3:
+        W = (np.eye(n) + np.roll(np.eye(n), 1, axis=1) + np.roll(np.eye(n), -1, axis=1)) / 3
+    else:
+        W = np.full((n, n), 1.0 / n)
+    np.testing.assert_allclose(T.make("ring", n).matrix(0), W)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 18, 25, 36, 64])
+def test_torus_matches_kron_reference(n):
+    a = max(d for d in divisors(n) if d * d <= n)
+    b = n // a
+
+    def cyc(m):
+        return np.roll(np.eye(m), 1, axis=1) + np.roll(np.eye(m), -1, axis=1)
+
+    A = (np.kron(cyc(a), np.eye(b)) + np.kron(np.eye(a), cyc(b))) > 0
+    np.fill_diagonal(A, False)
+    deg = A.sum(axis=1)
+    assert (deg == deg[0]).all()
+    W = (np.eye(n) + A) / (deg[0] + 1)
+    np.testing.assert_allclose(T.make("torus", n).matrix(0), W)
+    if a >= 3:
+        assert np.isclose(W[0, 0], 1 / 5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+def test_one_peer_ring_matches_reference(n):
+    topo = T.make("one-peer-ring", n)
+    for t in range(4):
+        pairs = [(i, i + 1) for i in range(t % 2, n - 1, 2)]
+        if t % 2 == 1 and n % 2 == 0:
+            pairs.append((n - 1, 0))   # wrap-around; for n = 2 the same pair as (0, 1)
+        W = np.eye(n)
+        for i, j in pairs:
+            W[i, i] = W[j, j] = W[i, j] = W[j, i] = 0.5
+        np.testing.assert_array_equal(topo.matrix(t), W)
+
+
+def aer_reference(N, L, t):
+    """Dense W(t) of aer built from its documented schedule with Kronecker blocks."""
+    d = int(math.log2(N))
+    s, h = (t % (2 * d)) // 2, t % 2
+    A, B = np.zeros((N, N)), np.zeros((N, N))
+    for u in range(N):
+        v = u ^ (1 << s)
+        inter = h != ((u >> ((s + 1) % d)) & 1 if d >= 2 else 0)
+        if inter:
+            A[u, u] = A[u, v] = 0.5
+        else:
+            B[u, u] = 1.0
+    return np.kron(A, np.eye(L)) + np.kron(B, np.full((L, L), 1.0 / L))
+
+
+@pytest.mark.parametrize("N,L", [(2, 1), (2, 3), (4, 1), (4, 2), (8, 4), (16, 2), (32, 1)])
+def test_aer_matches_reference_and_is_exact(N, L):
+    topo = T.make("aer", N * L, local_world_size=L)
+    d = int(math.log2(N))
+    assert topo.period == 2 * d
+    for t in range(2 * topo.period):
+        np.testing.assert_allclose(topo.matrix(t), aer_reference(N, L, t))
+    assert T.finite_time_exact(topo)
+
+
+@pytest.mark.parametrize("N,L", [(2, 2), (4, 2), (4, 4), (8, 3), (16, 2)])
+def test_aer_traffic_only_in_advertised_steps(N, L):
+    topo = T.make("aer", N * L, local_world_size=L)
+    seen_inter = seen_intra = False
+    for t in range(topo.period):
+        W = topo.matrix(t)
+        advertised = set(topo.inter_pairs(t))
+        inter_nodes = {u for pair in advertised for u in pair}
+        found = set()
+        for i in range(N * L):
+            for j in range(N * L):
+                if i != j and W[i, j] > 0:
+                    u, v = i // L, j // L
+                    if u != v:
+                        found.add((min(u, v), max(u, v)))
+                        assert j % L == i % L  # counterpart of the same local rank
+                    else:
+                        assert u not in inter_nodes  # no intra traffic on a node doing inter
+                        seen_intra = True
+        assert found == advertised
+        seen_inter |= bool(found)
+        # every node does exactly one of the two
+        for u in range(N):
+            assert topo.uses_inter(u, t) == (u in inter_nodes)
+            assert topo.uses_inter(topo.node_partner(u, t), t) == topo.uses_inter(u, t)
+        if N >= 4:
+            assert len(advertised) == N // 4  # half of the N/2 node pairs
+    assert seen_inter and seen_intra
+
+
+def test_aer_one_node_is_complete():
+    topo = T.make("aer", 6, local_world_size=6)
+    assert topo.period == 1
+    np.testing.assert_allclose(topo.matrix(0), np.full((6, 6), 1 / 6))
+
+
+def test_complete_and_local():
+    np.testing.assert_allclose(T.make("complete", 5).matrix(3), np.full((5, 5), 0.2))
+    np.testing.assert_array_equal(T.make("local", 5).matrix(3), np.eye(5))
+    assert T.make("local", 5).peers(2, 0).recv == []
+
+
+# ----------------------------------------------------------------------------- analysis
+def test_spectral_gap_static_ring():
+    n = 8
+    g = T.spectral_gap(T.make("ring", n))
+    lam2 = (1 + 2 * math.cos(2 * math.pi / n)) / 3
+    assert g.gap == pytest.approx(1 - lam2)
+    assert g.per_step == pytest.approx(g.gap) and g.period == 1
+    W = T.make("ring", n).matrix(0)
+    eig = np.sort(np.abs(np.linalg.eigvalsh(W)))[::-1]
+    assert g.rho == pytest.approx(eig[1])
+
+
+def test_spectral_gap_time_varying():
+    topo = T.make("one-peer-exp", 6)   # not a power of two: not exact
+    g = T.spectral_gap(topo)
+    P = topo.matrix(2) @ topo.matrix(1) @ topo.matrix(0)
+    rho = np.linalg.svd(P - 1 / 6, compute_uv=False)[0]
+    assert g.rho == pytest.approx(rho) and 0 < g.gap < 1
+    assert g.per_step == pytest.approx(1 - rho ** (1 / 3))
+    assert not T.finite_time_exact(topo)
+    np.testing.assert_allclose(T.period_product(topo), P)
+
+
+def test_comm_cost_ring():
+    c = T.comm_cost(T.make("ring", 8, local_world_size=4), 100)
+    assert c.period == 1 and len(c.steps) == 1
+    s = c.steps[0]
+    assert (s.max_send_bytes, s.max_recv_bytes, s.max_degree) == (200, 200, 2)
+    assert (s.max_inter_send_bytes, s.max_intra_send_bytes) == (100, 200)  # rank 1 sends 2 intra
+    assert (s.total_inter_bytes, s.total_intra_bytes, s.total_send_bytes) == (400, 1200, 1600)
+    assert c.mean_max_send_bytes == 200 and c.max_degree == 2
+    assert c.mean_inter_bytes_per_rank == 50 and c.mean_intra_bytes_per_rank == 150
+
+
+def test_comm_cost_one_peer_exp():
+    c = T.comm_cost(T.make("one-peer-exp", 8, local_world_size=4), 100)
+    assert [s.total_inter_bytes for s in c.steps] == [200, 400, 800]   # offsets 1, 2, 4
+    assert [s.total_intra_bytes for s in c.steps] == [600, 400, 0]
+    assert [s.max_inter_send_bytes for s in c.steps] == [100, 100, 100]
+    assert [s.max_intra_send_bytes for s in c.steps] == [100, 100, 0]
+    assert all(s.max_send_bytes == s.max_recv_bytes == 100 and s.max_degree == 1 for s in c.steps)
+    assert c.mean_max_send_bytes == 100
+    assert c.mean_max_intra_send_bytes == pytest.approx(200 / 3)
+    assert c.mean_total_inter_bytes == pytest.approx(1400 / 3)
+
+
+def test_comm_cost_aer():
+    c = T.comm_cost(T.make("aer", 16, local_world_size=4), 100)
+    assert c.period == 4
+    for s in c.steps:   # 2 nodes (8 ranks) inter, 2 nodes intra, every step
+        assert s.max_inter_send_bytes == 100
+        assert s.max_intra_send_bytes == 300
+        assert s.max_send_bytes == 300 and s.max_degree == 3
+        assert s.total_inter_bytes == 800 and s.total_intra_bytes == 2400
+    assert c.mean_inter_bytes_per_rank == 50 and c.mean_intra_bytes_per_rank == 150
+    assert c.max_inter_send_bytes == 100
+
+
+# ----------------------------------------------------------------------------- custom graphs
+def test_from_matrix_static():
+    W = T.make("ring", 6).matrix(0)
+    topo = T.from_matrix(W)
+    assert topo.period == 1 and topo.world_size == 6 and topo.name == "custom"
+    check_schedule(topo)
+    np.testing.assert_array_equal(topo.matrix(4), W)
+    assert T.from_matrix(W.tolist()).period == 1
+
+
+def test_from_matrix_list_cycles():
+    mats = [T.make("one-peer-exp", 8).matrix(t) for t in range(3)]
+    topo = T.from_matrix(mats, local_world_size=4)
+    assert topo.period == 3 and topo.local_world_size == 4
+    check_schedule(topo)
+    assert T.finite_time_exact(topo)
+    np.testing.assert_array_equal(topo.matrix(4), mats[1])
+    assert T.from_matrix(np.stack(mats)).period == 3
+
+
+def test_from_networkx():
+    nx = pytest.importorskip("networkx")
+    topo = T.from_networkx(nx.cycle_graph(7))
+    np.testing.assert_allclose(topo.matrix(0), T.make("ring", 7).matrix(0))
+    star = T.from_networkx(nx.star_graph(4))   # center 0 with degree 4, leaves degree 1
+    W = star.matrix(0)
+    assert W[0, 1] == pytest.approx(1 / 5) and W[1, 1] == pytest.approx(4 / 5) and W[0, 0] == pytest.approx(1 / 5)
+    check_schedule(star)
+    assert T.spectral_gap(star).gap > 0
+    with pytest.raises(ValueError, match="0..n-1"):
+        T.from_networkx(nx.relabel_nodes(nx.path_graph(3), {0: "a"}))
+    with pytest.raises(ValueError, match="undirected"):
+        T.from_networkx(nx.DiGraph([(0, 1)]))
+
+
+class PairSwap(T.Topology):
+    """Only peers, world_size and period as class attributes; no __init__ call."""
+    world_size = 4
+    period = 2
+
+    def peers(self, rank, step):
+        j = rank ^ (1 << (step % 2))
+        return T.Peers(0.5, [(j, 0.5)], [j])
+
+
+class MatrixOnly(T.Topology):
+    def __init__(self):
+        super().__init__(4, period=2, name="matrix-only")
+        self.calls = 0
+
+    def matrix(self, step):
+        self.calls += 1
+        return np.kron(np.eye(2), np.full((2, 2), 0.5)) if step % 2 == 0 else \
+            np.kron(np.full((2, 2), 0.5), np.eye(2))
+
+
+def test_subclass_with_only_peers():
+    topo = PairSwap()
+    topo.validate()
+    check_schedule(topo)
+    assert topo.local_world_size == 4 and topo.name == "PairSwap"
+    assert T.finite_time_exact(topo)
+    assert len(topo.fingerprint()) == 16
+
+
+def test_subclass_with_only_matrix_caches_peers():
+    topo = MatrixOnly().validate()
+    check_schedule(topo)
+    topo.calls = 0
+    for step in range(20):
+        for r in range(4):
+            topo.peers(r, step)
+    assert topo.calls == 0   # cached per step of the period (filled by check_schedule)
+    fresh = MatrixOnly()
+    for step in range(20):
+        for r in range(4):
+            fresh.peers(r, step)
+    assert fresh.calls == 2
+    assert fresh.peers(0, 1).recv == [(2, 0.5)] and fresh.peers(0, 1).send == [2]
+    assert T.finite_time_exact(fresh)
+
+
+def test_topologies_pickle():
+    import pickle
+    for topo in (T.make("base-k", 12, k=2), T.make("aer", 16, local_world_size=4), MatrixOnly(), PairSwap(),
+                 T.from_matrix(np.full((3, 3), 1 / 3)), T.make("exp", 9).mixed(0.5)):
+        assert pickle.loads(pickle.dumps(topo)).fingerprint() == topo.fingerprint()
+
+
+def test_subclass_with_neither_fails():
+    class Nothing(T.Topology):
+        pass
+    with pytest.raises(NotImplementedError):
+        Nothing(4).peers(0, 0)
+    with pytest.raises(NotImplementedError):
+        Nothing(4).matrix(0)
+
+
+# ----------------------------------------------------------------------------- consensus factor
+@pytest.mark.parametrize("a", [0.0, 0.3, 1.0])
+def test_with_consensus(a):
+    base = T.make("one-peer-exp", 8)
+    topo = T.with_consensus(base, a)
+    check_schedule(topo)
+    assert topo.period == base.period
+    for t in range(3):
+        np.testing.assert_allclose(topo.matrix(t), (1 - a) * np.eye(8) + a * base.matrix(t))
+    if a == 0:
+        assert topo.peers(3, 1).recv == [] and topo.peers(3, 1).send == []
+    np.testing.assert_allclose(base.mixed(a).matrix(1), topo.matrix(1))
+
+
+def test_with_consensus_bad_factor():
+    for a in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="consensus"):
+            T.with_consensus(T.make("ring", 4), a)
+
+
+# ----------------------------------------------------------------------------- fingerprint
+def test_fingerprint():
+    fp = T.make("ring", 8).fingerprint()
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert fp == T.make("ring", 8).fingerprint()
+    others = [T.make("ring", 9), T.make("exp", 8), T.make("ring", 8, local_world_size=4),
+              T.make("base-k", 8, k=1), T.make("base-k", 8, k=2), T.make("complete", 8),
+              T.from_matrix(T.make("ring", 8).matrix(0)), T.with_consensus(T.make("ring", 8), 0.5)]
+    fps = [o.fingerprint() for o in others]
+    assert fp not in fps and len(set(fps)) == len(fps)
+    W = T.make("torus", 9).matrix(0)
+    assert T.from_matrix(W).fingerprint() == T.from_matrix(W.copy()).fingerprint()
+    W2 = W.copy()
+    W2[[0, 1]] = W2[[1, 0]]
+    W2[:, [0, 1]] = W2[:, [1, 0]]   # relabelled graph: a different schedule
+    assert T.from_matrix(W2).fingerprint() != T.from_matrix(W).fingerprint()
+    assert T.make("aer", 16, local_world_size=4).fingerprint() == T.make("aer", 16, local_world_size=4).fingerprint()
+
+
+# ----------------------------------------------------------------------------- errors
+def test_from_matrix_errors():
+    with pytest.raises(ValueError, match="square"):
+        T.from_matrix(np.ones((2, 3)) / 3)
+    with pytest.raises(ValueError, match="step 0, row 0.*negative"):
+        T.from_matrix([[1.5, -0.5], [-0.5, 1.5]])
+    with pytest.raises(ValueError, match="step 0, row 1.*row-stochastic"):
+        T.from_matrix([[0.5, 0.5], [0.5, 0.25]])
+    with pytest.raises(ValueError, match="not finite"):
+        T.from_matrix([[np.nan, 0.5], [0.5, 0.5]])
+    biased = [[1.0, 0.0], [0.5, 0.5]]
+    with pytest.raises(ValueError, match="step 0, column 0.*column-stochastic.*allow_biased"):
+        T.from_matrix(biased)
+    topo = T.from_matrix(biased, allow_biased=True)
+    assert topo.allow_biased and topo.peers(1, 0).recv == [(0, 0.5)] and topo.peers(0, 0).send == [1]
+    topo.validate()
+    good = np.full((3, 3), 1 / 3)
+    with pytest.raises(ValueError, match="step 1.*row 2"):
+        T.from_matrix([good, [[1, 0, 0], [0, 1, 0], [0, 0, 0.5]]])
+    with pytest.raises(ValueError, match="step 1.*3 x 3"):
+        T.from_matrix([good, np.eye(2)])
+    with pytest.raises(ValueError, match="step 1.*square"):
+        T.from_matrix([good, np.ones((3, 2))])
+    with pytest.raises(ValueError):
+        T.from_matrix([])
+
+
+def test_make_errors():
+    with pytest.raises(ValueError, match="valid names: complete, ring, one-peer-ring, exp, one-peer-exp"):
+        T.make("hypercube", 8)
+    with pytest.raises(ValueError, match=r"3 nodes.*valid local_world_size values are \[3, 6, 12\]"):
+        T.make("aer", 12, local_world_size=4)
+    with pytest.raises(ValueError, match="divide world_size=10"):
+        T.make("ring", 10, local_world_size=4)
+    with pytest.raises(ValueError, match="valid values: \\[1, 2, 5, 10\\]"):
+        T.make("aer", 10, local_world_size=3)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="world_size must be >= 1"):
+            T.make("ring", bad)
+    with pytest.raises(ValueError, match="integer"):
+        T.make("ring", 2.5)
+    with pytest.raises(ValueError, match="option"):
+        T.make("ring", 8, k=2)
+    with pytest.raises(ValueError, match="k must be"):
+        T.make("base-k", 8, k=0)
+    with pytest.raises(ValueError, match="out of range"):
+        T.make("ring", 4).peers(4, 0)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        T.Topology(0)
+
+
+def test_aer_error_lists_what_works():
+    with pytest.raises(ValueError) as e:
+        T.make("aer", 12, local_world_size=4)
+    msg = str(e.value)
+    assert "power of two" in msg and "3 nodes" in msg and "[3, 6, 12]" in msg
+
+
+class Mismatched(T.Topology):
+    """Rank 0 receives from rank 1 at odd steps, but rank 1 does not list rank 0 in send."""
+
+    def __init__(self):
+        super().__init__(3, period=2, allow_biased=True)   # isolate the send/recv check
+
+    def peers(self, rank, step):
+        if step % 2 == 1 and rank == 0:
+            return T.Peers(0.5, [(1, 0.5)], [])
+        return T.Peers(1.0, [], [])
+
+
+class MismatchedSend(T.Topology):
+    """Rank 0 lists rank 1 in send, but rank 1 does not receive from it."""
+
+    def __init__(self):
+        super().__init__(2)
+
+    def peers(self, rank, step):
+        return T.Peers(1.0, [], [1] if rank == 0 else [])
+
+
+def test_validate_mismatched_send_recv():
+    with pytest.raises(ValueError, match="step 1: rank 0 receives from rank 1 but rank 1 does not list rank 0"):
+        Mismatched().validate()
+    with pytest.raises(ValueError, match="step 0: rank 0 sends to rank 1 but rank 1 does not receive"):
+        MismatchedSend().validate()
+
+
+def _biased(topo):
+    topo.allow_biased = True
+    return topo
+
+
+def test_validate_bad_peers():
+    class SelfLoop(T.Topology):
+        world_size = 2
+
+        def peers(self, rank, step):
+            return T.Peers(0.5, [(rank, 0.5)], [rank])
+
+    with pytest.raises(ValueError, match="exclude rank"):
+        SelfLoop().validate()
+
+    class NotColumn(T.Topology):
+        world_size = 2
+
+        def peers(self, rank, step):
+            return T.Peers(1.0, [], [1]) if rank == 0 else T.Peers(0.5, [(0, 0.5)], [])
+
+    with pytest.raises(ValueError, match="column 0.*column-stochastic"):
+        NotColumn().validate()
+    _biased(NotColumn()).validate()
