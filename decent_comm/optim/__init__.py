@@ -1,0 +1,9 @@
+"""Decentralized optimizers: drop-in torch.optim replacements that gossip with a topology's neighbours."""
+
+from .base import MODES, DecentralizedMixin
+from .consensus import AdaptiveConsensus
+from .fused import DSGD, AccumAdam, AccumAdamW, DAdam, DAdamW
+from .wrapper import Decentralized
+
+__all__ = ["DSGD", "DAdam", "DAdamW", "AccumAdam", "AccumAdamW", "Decentralized", "AdaptiveConsensus",
+           "DecentralizedMixin", "MODES"]

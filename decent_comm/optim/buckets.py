@@ -1,0 +1,180 @@
+"""Flat parameter/gradient buckets: what the fused kernels and the exchange scheduler operate on.
+
+Parameters of one param group, device and dtype are laid out back to back in flat buffers of about
+`bucket_cap_mb`; each Parameter keeps its identity but its .data becomes a view into its bucket, and its
+.grad a view into the bucket's flat gradient buffer. Optimizer state lives in flat float32 buffers of the
+same layout, exposed per parameter as views (so torch.optim's state_dict machinery sees per-param state).
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+# Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
+# some parameters have gradients keep the CUDA kernels on their vectorized path.
+_ALIGN_BYTES = 16
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its bucket."""
+
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    group_index: int
+    device: torch.device
+    dtype: torch.dtype
+    slots: List[Slot]
+    numel: int
+    flat: torch.Tensor = None                    # the parameters
+    grad: torch.Tensor = None                    # the gradients
+    state: Dict[str, torch.Tensor] = field(default_factory=dict)  # float32 optimizer state
+    steps: List[int] = field(default_factory=list)  # per slot: optimizer steps taken (torch's state["step"])
+
+    def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return flat[slot.offset: slot.offset + slot.numel].view_as(slot.param)
+
+    def state_buffer(self, name: str) -> torch.Tensor:
+        """The flat float32 state buffer `name`, created zero-filled on first use."""
+        buf = self.state.get(name)
+        if buf is None:
+            buf = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self.state[name] = buf
+        return buf
+
+
+def _aligned(n: int, element_size: int) -> int:
+    per = max(1, _ALIGN_BYTES // element_size)
+    return (n + per - 1) // per * per
+
+
+def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket]:
+    """Assigns every parameter to a bucket (one param group, device and dtype per bucket, in parameter
+    order) and moves it into the bucket's flat buffers. Parameter order is kept, so buckets follow the
+    order in which a model's modules use them (model.parameters() order)."""
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    cap_bytes = int(bucket_cap_mb * 2**20)
+    buckets: List[Bucket] = []
+    seen = set()
+    for gi, group in enumerate(param_groups):
+        open_buckets: Dict[tuple, Bucket] = {}
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError("a parameter appears more than once in the optimizer's param groups")
+            seen.add(id(p))
+            if p.is_sparse or not p.is_floating_point():
+                raise ValueError(f"decentralized optimizers need dense floating-point parameters, got {p.dtype}"
+                                 f"{' sparse' if p.is_sparse else ''} of shape {tuple(p.shape)}")
+            key = (p.device, p.dtype)
+            b = open_buckets.get(key)
+            size = _aligned(p.numel(), p.element_size())
+            if b is not None and b.numel > 0 and (b.numel + size) * p.element_size() > cap_bytes:
+                b = None
+            if b is None:
+                b = Bucket(len(buckets), gi, p.device, p.dtype, [], 0)
+                buckets.append(b)
+                open_buckets[key] = b
+            b.slots.append(Slot(p, b.numel, p.numel()))
+            b.numel += size
+    for b in buckets:
+        _materialize(b)
+        b.steps = [0] * len(b.slots)
+    return buckets
+
+
+def _materialize(b: Bucket) -> None:
+    b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+    b.grad = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+    with torch.no_grad():
+        for s in b.slots:
+            view = b.view(b.flat, s)
+            view.copy_(s.param.detach())
+            had_grad = s.param.grad is not None
+            if had_grad:
+                b.view(b.grad, s).copy_(s.param.grad)
+            s.param.data = view
+            s.param.grad = b.view(b.grad, s) if had_grad else None
+
+
+@dataclass
+class Segment:
+    """A run of consecutive parameters of one bucket that share (has a gradient, step count)."""
+
+    start: int
+    stop: int
+    has_grad: bool
+    step: int
+
+
+def gather_grads(b: Bucket) -> None:
+    """Makes the flat gradient buffer hold every parameter's current .grad.
+
+    A .grad that is already our view costs nothing; one that user code replaced (or that autograd
+    allocated after zero_grad(set_to_none=True)) is copied in, and .grad is pointed back at the view.
+    """
+    with torch.no_grad():
+        for s in b.slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            view = b.view(b.grad, s)
+            if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
+                continue
+            if g.is_sparse:
+                raise RuntimeError("sparse gradients are not supported by decentralized optimizers")
+            if g.shape != s.param.shape:
+                raise RuntimeError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
+                                   f"{tuple(s.param.shape)}")
+            view.copy_(g)
+            s.param.grad = view
+
+
+def segments(b: Bucket, steps: List[int]) -> List[Segment]:
+    """Splits a bucket into runs over which one fused kernel call is valid. `steps[i]` is slot i's
+    step count (it differs only when some parameters missed gradients in earlier steps). Usually one
+    segment spans the whole bucket."""
+    out: List[Segment] = []
+    for i, s in enumerate(b.slots):
+        has = s.param.grad is not None
+        start = s.offset
+        stop = s.offset + s.numel
+        if out and out[-1].has_grad == has and out[-1].step == steps[i]:
+            out[-1].stop = stop
+        else:
+            if out:
+                # padding between parameters goes with the previous run
+                out[-1].stop = start
+            out.append(Segment(start, stop, has, steps[i]))
+    if out:
+        out[0].start = 0
+        out[-1].stop = b.numel
+    return out
+
+
+def zero_grads(b: Bucket, set_to_none: bool) -> None:
+    """zero_grad for one bucket: one fill of the flat buffer instead of a kernel per parameter."""
+    if set_to_none:
+        for s in b.slots:
+            s.param.grad = None
+    else:
+        b.grad.zero_()
+        for s in b.slots:
+            if s.param.grad is not None:
+                s.param.grad = b.view(b.grad, s)
+
+
+def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
+    """id(param) -> (bucket, slot index)."""
+    return {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
+
+
+def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
+    return b.numel * (torch.empty((), dtype=dtype or b.dtype).element_size())

@@ -1,0 +1,143 @@
+"""The fused decentralized optimizers: torch.optim signatures plus the decentralized keyword options.
+
+Each is a torch.optim.Optimizer whose step runs one fused mix+update kernel per bucket (decent_comm.ops).
+Without an initialized process group, or with world size 1, each behaves exactly as its torch counterpart.
+"""
+
+import torch
+
+from .. import ops
+from .base import DecentralizedMixin
+
+_DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
+                               comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None)
+_DOC_OPTIONS = """
+    Decentralized options (keyword-only):
+        topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
+            matrix / list of matrices (time-varying, cycled).
+        mode: "awc" (communicate while adapting; the exchange overlaps the next forward+backward) or "atc"
+            (adapt then combine; the exchange overlaps the next forward when `model` is given).
+        process_group: the group to gossip in (default: the default group).
+        bucket_cap_mb: size of the flat buckets parameters are laid out in.
+        comm_dtype: wire dtype (e.g. torch.bfloat16 halves the bytes); received buffers keep it.
+        consensus: DSGD-AC factor a (W -> (1-a) I + a W): a number, a callable of the step, or a schedule
+            object such as decent_comm.AdaptiveConsensus.
+        model: the module the parameters belong to; in ATC mode its forward pre-hooks apply each bucket's mix
+            just before the first module using it runs.
+        broadcast_init: start all replicas from rank 0's parameters.
+        timeout: seconds a peer may take before step() raises (default: the process group's timeout).
+"""
+
+
+def _split_options(kwargs):
+    unknown = set(kwargs) - set(_DECENTRALIZED_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    return {**_DECENTRALIZED_DEFAULTS, **kwargs}
+
+
+_TORCH_NAME = {"DSGD": "SGD", "DAdam": "Adam", "DAdamW": "AdamW"}
+
+
+def _reject_unsupported(name, **flags):
+    for flag, value in flags.items():
+        if value:
+            inner = _TORCH_NAME.get(name, "Adam")
+            raise ValueError(f"{name}: {flag}=True is not supported by the fused kernels; wrap the torch optimizer "
+                             f"instead: decent_comm.Decentralized(torch.optim.{inner}(..., {flag}=True))")
+
+
+def _check_common(lr, weight_decay, eps=None, betas=None):
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if eps is not None and not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if betas is not None:
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+
+
+class DSGD(DecentralizedMixin, torch.optim.Optimizer):
+    __doc__ = "Decentralized torch.optim.SGD (momentum, dampening, nesterov, weight_decay as torch)." + _DOC_OPTIONS
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
+                 foreach=None, differentiable=False, fused=None, **decentralized):
+        _check_common(lr, weight_decay)
+        if momentum < 0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        _reject_unsupported("DSGD", maximize=maximize, differentiable=differentiable)
+        opts = _split_options(decentralized)
+        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                                          weight_decay=weight_decay, nesterov=nesterov))
+        self._init_decentralized(**opts)
+
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights):
+        momentum = group["momentum"]
+        buf = b.state_buffer("momentum_buffer")[sl] if momentum != 0 else None
+        ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
+                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0)
+
+
+class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, _extra_defaults=None,
+                 **decentralized):
+        _check_common(lr, weight_decay, eps, betas)
+        _reject_unsupported(type(self).__name__, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                            differentiable=differentiable)
+        opts = _split_options(decentralized)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self._init_decentralized(**opts)
+
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights):
+        beta1, beta2 = group["betas"]
+        ops.mix_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
+                      b.state_buffer("exp_avg_sq")[sl], step + 1, group["lr"], beta1, beta2, group["eps"],
+                      group["weight_decay"], self._decoupled)
+
+
+class DAdam(_AdamBase):
+    __doc__ = "Decentralized torch.optim.Adam (L2 weight decay folded into the gradient)." + _DOC_OPTIONS
+
+
+class DAdamW(_AdamBase):
+    __doc__ = "Decentralized torch.optim.AdamW (decoupled weight decay)." + _DOC_OPTIONS
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+
+
+class AccumAdam(_AdamBase):
+    __doc__ = ("AccumAdam (Wang et al., ICLR 2025): Adam whose moments absorb the mean gradient of every "
+               "`accum_steps` steps, damping the momentum drift decentralization adds." + _DOC_OPTIONS)
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 accum_steps=4, **kw):
+        if int(accum_steps) != accum_steps or accum_steps < 1:
+            raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, _extra_defaults=dict(accum_steps=int(accum_steps)),
+                         **kw)
+
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights):
+        beta1, beta2 = group["betas"]
+        ops.mix_accum_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
+                            b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], step + 1,
+                            group["accum_steps"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                            self._decoupled)
+
+
+class AccumAdamW(AccumAdam):
+    __doc__ = "AccumAdamW: AccumAdam with decoupled weight decay." + _DOC_OPTIONS
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)

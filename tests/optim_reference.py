@@ -1,0 +1,88 @@
+"""A single-process dense simulation of all ranks of a decentralized optimizer, in float64.
+
+X^{t+1} = W'(t) X^t - lr D(G)   (awc)      X^{t+1} = W'(t) (X^t - lr D(G))   (atc)
+
+with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' parameters as rows of X, the
+gradients from a float64 copy of the model, and the update directions from the formulas in
+mix_reference.py (not from the kernels).
+"""
+
+import torch
+from torch.func import functional_call
+
+from mix_reference import accum_adam64, adam64, sgd64
+
+
+class Reference:
+    def __init__(self, model, init_flats, topology, mode, kind, hp, consensus=1.0, wire_dtype=None):
+        self.model = model.double()
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+        self.X = [x.double().clone() for x in init_flats]          # one flat vector per rank
+        self.n = len(self.X)
+        self.topology, self.mode, self.kind, self.hp = topology, mode, kind, hp
+        self.consensus = consensus
+        self.wire_dtype = wire_dtype
+        self.state = [dict(m=torch.zeros_like(x), v=torch.zeros_like(x), a=torch.zeros_like(x),
+                           b=torch.zeros_like(x)) for x in self.X]
+        self.t = 0
+
+    def _params(self, flat):
+        out, off = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            k = int(torch.Size(shape).numel())
+            out[name] = flat[off:off + k].view(shape)
+            off += k
+        return out
+
+    def grad(self, flat, batch):
+        flat = flat.detach().clone().requires_grad_(True)
+        x, y = batch
+        out = functional_call(self.model, self._params(flat), (x.double(),))
+        loss = ((out - y.double()) ** 2).mean()
+        (g,) = torch.autograd.grad(loss, flat)
+        return g
+
+    def _W(self):
+        W = torch.from_numpy(self.topology.matrix(self.t)).double()
+        a = self.consensus(self.t) if callable(self.consensus) else self.consensus
+        return (1 - a) * torch.eye(self.n, dtype=torch.float64) + a * W
+
+    def _mix(self, W, X):
+        out = []
+        for i in range(self.n):
+            acc = W[i, i] * X[i]
+            for j in range(self.n):
+                if j != i and W[i, j] != 0:
+                    y = X[j]
+                    if self.wire_dtype is not None:
+                        y = y.to(self.wire_dtype).double()
+                    acc = acc + W[i, j] * y
+            out.append(acc)
+        return out
+
+    def _direction(self, i, x_old, mixed, g):
+        hp, st, step = self.hp, self.state[i], self.t + 1
+        if self.kind == "sgd":
+            x, st["b"] = sgd64(x_old, mixed, g, st["b"], hp["lr"], hp.get("momentum", 0.0), hp.get("dampening", 0.0),
+                               hp.get("weight_decay", 0.0), hp.get("nesterov", False), first_step=self.t == 0)
+            return x
+        if self.kind in ("adam", "adamw"):
+            x, st["m"], st["v"] = adam64(x_old, mixed, g, st["m"], st["v"], step, hp["lr"], hp["betas"][0],
+                                         hp["betas"][1], hp["eps"], hp["weight_decay"], self.kind == "adamw")
+            return x
+        x, st["m"], st["v"], st["a"] = accum_adam64(x_old, mixed, g, st["m"], st["v"], st["a"], step,
+                                                    hp["accum_steps"], hp["lr"], hp["betas"][0], hp["betas"][1],
+                                                    hp["eps"], hp["weight_decay"], self.kind == "accumadamw")
+        return x
+
+    def step(self, batches):
+        G = [self.grad(self.X[i], batches[i]) for i in range(self.n)]
+        W = self._W()
+        if self.mode == "awc":
+            mixed = self._mix(W, self.X)
+            self.X = [self._direction(i, self.X[i], mixed[i], G[i]) for i in range(self.n)]
+        else:
+            half = [self._direction(i, self.X[i], self.X[i], G[i]) for i in range(self.n)]
+            self.X = self._mix(W, half)
+        self.t += 1

@@ -1,0 +1,341 @@
+"""Decentralized optimizers on real multi-process gloo groups, against a dense single-process simulation of
+all ranks (tests/optim_reference.py), plus the behaviours the optimizer contract promises."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import decent_comm
+from decent_comm import topology as T
+
+from dist_utils import run_ranks
+from optim_reference import Reference
+
+STEPS = 20
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def batch(rank, t):
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+ADAM_HP = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8)
+OPTIMIZERS = {
+    # name: (constructor(params, **decentralized), reference kind, reference hyper-parameters)
+    "dsgd-nesterov": (lambda ps, **kw: decent_comm.DSGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                         **kw), "sgd",
+                      dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "dsgd": (lambda ps, **kw: decent_comm.DSGD(ps, lr=0.1, **kw), "sgd", dict(lr=0.1)),
+    "dadam": (lambda ps, **kw: decent_comm.DAdam(ps, weight_decay=0.01, **ADAM_HP, **kw), "adam",
+              dict(weight_decay=0.01, **ADAM_HP)),
+    "dadamw": (lambda ps, **kw: decent_comm.DAdamW(ps, weight_decay=0.1, **ADAM_HP, **kw), "adamw",
+               dict(weight_decay=0.1, **ADAM_HP)),
+    "accumadamw": (lambda ps, **kw: decent_comm.AccumAdamW(ps, weight_decay=0.05, accum_steps=3, **ADAM_HP, **kw),
+                   "accumadamw", dict(weight_decay=0.05, accum_steps=3, **ADAM_HP)),
+    "wrapped-adam": (lambda ps, **kw: decent_comm.Decentralized(torch.optim.Adam(ps, weight_decay=0.01, **ADAM_HP),
+                                                                **kw), "adam", dict(weight_decay=0.01, **ADAM_HP)),
+}
+
+
+def doubly_stochastic(n, seed):
+    rng = np.random.default_rng(seed)
+    W = np.zeros((n, n))
+    for w in rng.dirichlet(np.ones(3)):
+        W += w * np.eye(n)[rng.permutation(n)]
+    return W
+
+
+def topologies(n):
+    out = {name: T.make(name, n) for name in ["one-peer-exp", "ring", "exp"]}
+    if n in (2, 4):
+        out["aer"] = T.make("aer", n, local_world_size=n // 2)
+    out["custom"] = T.from_matrix([doubly_stochastic(n, 1), doubly_stochastic(n, 2)])
+    return out
+
+
+def run_against_reference(rank, n, opt_name, topo, mode, steps=STEPS, consensus=1.0, comm_dtype=None,
+                          scheduler=None):
+    ctor, kind, hp = OPTIMIZERS[opt_name]
+    models = [make_model(seed) for seed in range(n)]  # distinct replicas, known to every rank
+    model = models[rank]
+    ref = Reference(make_model(0), [flat_params(m) for m in models], topo, mode, kind, hp, consensus=consensus,
+                    wire_dtype=comm_dtype)
+    opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" else None,
+               broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30)
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        ref.step([batch(r, t) for r in range(n)])
+    opt.synchronize()
+    err = (flat_params(model).double() - ref.X[rank]).abs().max().item()
+    opt.shutdown()
+    return err
+
+
+def _core_all_combinations(rank, n):
+    errors = {}
+    for opt_name, (topo_name, topo), mode in itertools.product(OPTIMIZERS, topologies(n).items(), ["awc", "atc"]):
+        errors[(opt_name, topo_name, mode)] = run_against_reference(rank, n, opt_name, topo, mode)
+    return errors
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_optimizer_mode_and_topology_matches_dense_simulation(n):
+    results = run_ranks(_core_all_combinations, n, timeout=600)
+    bad = {(r, k): e for r, errs in enumerate(results) for k, e in errs.items() if not e < 1e-5}
+    assert not bad, f"replicas deviate from the dense simulation: {bad}"
+
+
+def _special_cases(rank, n):
+    topo = T.make("one-peer-exp", n)
+    return dict(
+        bf16_wire=run_against_reference(rank, n, "dadamw", topo, "awc", comm_dtype=torch.bfloat16),
+        consensus_half=run_against_reference(rank, n, "dsgd", topo, "awc", consensus=0.5),
+        consensus_callable=run_against_reference(rank, n, "dadam", topo, "atc", consensus=lambda t: 0.3 + 0.05 * (t % 3)),
+    )
+
+
+def test_wire_dtype_and_consensus_factor_match_dense_simulation():
+    results = run_ranks(_special_cases, 4, timeout=300)
+    for r, errs in enumerate(results):
+        for k, e in errs.items():
+            assert e < 1e-5, (r, k, e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _average_and_consensus(rank, n):
+    """Zero learning rate: a doubly-stochastic W preserves the replica mean, and the consensus distance decays
+    at the rate the spectral gap predicts."""
+    out = {}
+    for name in ["ring", "one-peer-exp", "exp"]:
+        topo = T.make(name, n)
+        model = make_model(rank)
+        opt = decent_comm.DSGD(model.parameters(), lr=0.0, topology=topo, broadcast_init=False, timeout=30)
+        x0 = flat_params(model).double()
+        mean0 = x0.clone()
+        dist.all_reduce(mean0)
+        d0 = opt.consensus_distance()
+        period = topo.period
+        dists = []
+        for _ in range(3 * period):
+            opt.zero_grad()
+            model(torch.zeros(1, 4)).sum().backward()
+            opt.step()
+            dists.append(opt.consensus_distance())
+        mean = flat_params(model).double()
+        dist.all_reduce(mean)
+        rho = T.spectral_gap(topo).rho
+        out[name] = dict(mean_err=(mean - mean0).abs().max().item() / n, d0=d0, dists=dists, rho=rho, period=period)
+        opt.shutdown()
+    return out
+
+
+def test_average_preserved_and_consensus_decays_at_spectral_rate():
+    n = 4
+    res = run_ranks(_average_and_consensus, n, timeout=300)[0]
+    for name, r in res.items():
+        assert r["mean_err"] < 1e-6, (name, r["mean_err"])
+        # ||X(kP) - mean||_F^2 <= rho^(2k) ||X(0) - mean||_F^2 over whole periods
+        for k in range(1, 4):
+            assert r["dists"][k * r["period"] - 1] <= r["rho"] ** (2 * k) * r["d0"] * (1 + 1e-6) + 1e-12, (name, k, r)
+        if name == "one-peer-exp":  # finite-time exact for n = 4
+            assert r["dists"][r["period"] - 1] < 1e-10 * r["d0"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _resume(rank, n, mode):
+    topo = T.make("exp", n)
+
+    def build(model):
+        return decent_comm.AccumAdamW(model.parameters(), lr=0.02, accum_steps=2, topology=topo, mode=mode,
+                                      model=model, consensus=decent_comm.AdaptiveConsensus(p=2, start_step=3),
+                                      timeout=30)
+
+    def train(model, opt, sched, steps, start):
+        for t in range(start, start + steps):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            sched.step()
+
+    model = make_model(rank)
+    opt = build(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    train(model, opt, sched, 12, 0)
+    opt.synchronize()
+    straight = flat_params(model)
+    opt.shutdown()
+
+    model = make_model(rank)
+    opt = build(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    train(model, opt, sched, 6, 0)
+    ckpt = dict(model=model.state_dict(), opt=opt.state_dict(), sched=sched.state_dict())
+    ckpt = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()} if k == "model" else v
+            for k, v in ckpt.items()}
+    opt.shutdown()
+
+    model = make_model(100 + rank)  # different weights: everything must come from the checkpoint
+    opt = build(model)  # (broadcast_init runs here, so the replicas' own weights are loaded after it)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    sched.load_state_dict(ckpt["sched"])
+    train(model, opt, sched, 6, 6)
+    opt.synchronize()
+    resumed = flat_params(model)
+    opt.shutdown()
+    return (straight - resumed).abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_state_dict_resume_continues_identical_trajectory(mode):
+    errs = run_ranks(_resume, 3, mode, timeout=300)
+    assert max(errs) < 1e-6, errs
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _groups_scheduler_unused(rank, n):
+    """Two param groups with different lr/weight decay, an lr scheduler, set_to_none grads, a parameter
+    that gets no gradient (still mixed, never updated locally) and a frozen one."""
+    torch.manual_seed(rank)
+    a = torch.nn.Linear(4, 3)
+    b = torch.nn.Linear(3, 2)
+    unused = torch.nn.Parameter(torch.full((5,), float(rank)))
+    frozen = torch.nn.Parameter(torch.full((2,), float(rank)), requires_grad=False)
+    opt = decent_comm.DAdamW([{"params": list(a.parameters()) + [unused], "lr": 0.05, "weight_decay": 0.0},
+                              {"params": list(b.parameters()) + [frozen], "lr": 0.01, "weight_decay": 0.1}],
+                             topology="complete", broadcast_init=False, timeout=30)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for t in range(4):
+        x, y = batch(rank, t)
+        opt.zero_grad(set_to_none=True)
+        ((b(torch.tanh(a(x))) - y) ** 2).mean().backward()
+        assert unused.grad is None
+        opt.step()
+        sched.step()
+    opt.synchronize()
+    state = opt.state_dict()["state"]
+    return dict(unused=unused.detach().clone(), frozen=frozen.detach().clone(), lrs=[g["lr"] for g in opt.param_groups],
+                n_state=len(state), a=torch.cat([p.detach().reshape(-1) for p in a.parameters()]))
+
+
+def test_param_groups_scheduler_unused_and_frozen_parameters():
+    n = 3
+    res = run_ranks(_groups_scheduler_unused, n, timeout=120)
+    mean = sum(range(n)) / n
+    for r in res:
+        # complete graph: after one mix every replica holds the mean; no local update ever touches them
+        assert torch.allclose(r["unused"], torch.full((5,), mean)), r["unused"]
+        assert torch.allclose(r["frozen"], torch.full((2,), mean)), r["frozen"]
+        assert r["lrs"] == pytest.approx([0.05 * 0.5 ** 4, 0.01 * 0.5 ** 4])
+        assert r["n_state"] == 4  # only the four parameters that had gradients have optimizer state
+    # complete graph with equal starts after step 0: all replicas agree up to their own last update
+    assert not torch.equal(res[0]["a"], res[1]["a"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _mismatch(rank, n):
+    model = torch.nn.Linear(4, 3 if rank != 2 else 5)
+    try:
+        decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_replicas_raise_on_every_rank():
+    msgs = run_ranks(_mismatch, 3, timeout=120)
+    for m in msgs:
+        assert "rank 2" in m and "parameter 0" in m, m
+
+
+def _topology_mismatch(rank, n):
+    model = torch.nn.Linear(2, 2)
+    try:
+        decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring" if rank == 0 else "exp")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_topology_raises_on_every_rank():
+    for m in run_ranks(_topology_mismatch, 4, timeout=120):
+        assert "topology fingerprint" in m and "rank 1" in m, m
+
+
+def _peer_dies(rank, n):
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring", timeout=4)
+    for t in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    if rank == 1:
+        import os
+        os._exit(0)  # dies mid-training, without any goodbye
+    start = time.monotonic()
+    try:
+        for t in range(3, 50):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    except RuntimeError as exc:
+        return dict(elapsed=time.monotonic() - start, msg=str(exc))
+    return dict(elapsed=time.monotonic() - start, msg="no error")
+
+
+def test_dead_peer_raises_within_timeout():
+    res = run_ranks(_peer_dies, 3, timeout=120, allow_failures=True)
+    for r in (0, 2):
+        assert "no error" not in res[r]["msg"], res[r]
+        assert res[r]["elapsed"] < 4 + 10, res[r]
+
+
+def _grad_scaler(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="one-peer-exp", broadcast_init=False, timeout=30)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    steps = []
+    for t in range(4):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        if rank == 1 and t == 2:
+            loss = loss * float("inf")  # this rank overflows at step 2: it must skip its update, not the exchange
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        steps.append(int(opt.state_dict()["state"][0]["step"]))
+    opt.shutdown()
+    return steps
+
+
+def test_grad_scaler_skip_keeps_exchange_schedule():
+    steps = run_ranks(_grad_scaler, 2, timeout=120)
+    assert steps[0] == [1, 2, 3, 4]
+    assert steps[1] == [1, 2, 2, 3]
