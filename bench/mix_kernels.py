@@ -5,7 +5,8 @@ For each size, neighbour count k and neighbour dtype it times
   op chain    x.mul_(sw); x.add_(y_j, alpha=w_j) ...           (what a pure-PyTorch gossip step does)
   foreach     torch._foreach_mul_ / _foreach_add_ chain
   cupy        a CuPy ElementwiseKernel doing the same mix (GPU, when CuPy is installed)
-and the memory roofline: the bandwidth of a device copy (x.copy_(y)) and of lerp_ (one pass, k = 1).
+and the memory roofline: the best bandwidth of two single-pass torch kernels (x.copy_(y), add(out=)),
+plus lerp_ (one pass, k = 1) as a named baseline.
 GB/s counts the minimum bytes an op must move (read x and every neighbour once, write x once).
 mix_adam_ is compared with torch.optim.AdamW (foreach on CPU, fused on CUDA) followed by the same mix.
 
@@ -26,24 +27,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from decent_comm import ops  # noqa: E402
 
 
-def timer(device, fn, repeats, warmup=2):
-    """Median seconds of fn() over `repeats` runs (CUDA: timed with events on the current stream)."""
-    for _ in range(warmup):
+def _time_once(device, fn):
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    samples = []
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_all(device, fns, repeats, warmup=2):
+    """Median seconds of each candidate, timed round-robin (one run of each per round) so that load
+    changes on a shared machine hit every candidate alike; the ratios are what to read."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            samples[name].append(_time_once(device, fn))
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def cupy_mix(k):
@@ -68,7 +75,7 @@ def bench_mix(device, sizes, ks, nb_dtypes, repeats):
     for n in sizes:
         x = torch.randn(n, device=device)
         src = torch.randn(n, device=device)
-        copy_s = timer(device, lambda: x.copy_(src), repeats)
+        copy_s = time_all(device, {"copy": lambda: x.copy_(src)}, repeats)["copy"]
         copy_bw = 2 * n * 4 / copy_s
         for nb_dtype in nb_dtypes:
             for k in ks:
@@ -89,13 +96,16 @@ def bench_mix(device, sizes, ks, nb_dtypes, repeats):
                     for y, w in zip(ys, ws):
                         torch._foreach_add_([x], [y], alpha=w)
 
-                t = {"ours": timer(device, ours, repeats), "op_chain": timer(device, chain, repeats),
-                     "foreach": timer(device, foreach, repeats)}
+                fns = {"ours": ours, "op_chain": chain, "foreach": foreach,
+                       "copy": lambda: x.copy_(src), "add": lambda: torch.add(src, src, out=x)}
                 if k == 1 and nb_dtype == torch.float32:
-                    t["lerp"] = timer(device, lambda: x.lerp_(ys[0], 0.5), repeats)
+                    fns["lerp"] = lambda: x.lerp_(ys[0], 0.5)
                 cp = cupy_mix(k) if device == "cuda" else None
                 if cp is not None:
-                    t["cupy"] = timer(device, lambda: cp(x, ys, sw, ws), repeats)
+                    fns["cupy"] = lambda: cp(x, ys, sw, ws)
+                t = time_all(device, fns, repeats)
+                # roofline: the best of two single-pass torch kernels (copy: 8 B/elem, add: 12 B/elem)
+                copy_bw = max(2 * n * 4 / t.pop("copy"), 3 * n * 4 / t.pop("add"))
                 gbs = min_bytes / t["ours"] / 1e9
                 rows.append(dict(
                     op="gossip_mix_", n=n, k=k, nb_dtype=str(nb_dtype).replace("torch.", ""),
@@ -111,7 +121,6 @@ def bench_adam(device, sizes, ks, repeats):
     for n in sizes:
         src = torch.randn(n, device=device)
         x_copy = torch.randn(n, device=device)
-        copy_bw = 2 * n * 4 / timer(device, lambda: x_copy.copy_(src), repeats)
         for k in ks:
             p = torch.nn.Parameter(torch.randn(n, device=device))
             p.grad = torch.randn(n, device=device)
@@ -142,8 +151,10 @@ def bench_adam(device, sizes, ks, repeats):
             def torch_adamw_only():
                 opt.step()
 
-            t = {"ours": timer(device, ours, repeats), "adamw+mix": timer(device, torch_adamw_then_mix, repeats),
-                 "adamw_only": timer(device, torch_adamw_only, repeats)}
+            t = time_all(device, {"ours": ours, "adamw+mix": torch_adamw_then_mix, "adamw_only": torch_adamw_only,
+                                  "copy": lambda: x_copy.copy_(src), "add": lambda: torch.add(src, src, out=x_copy)},
+                         repeats)
+            copy_bw = max(2 * n * 4 / t.pop("copy"), 3 * n * 4 / t.pop("add"))
             min_bytes = n * 4 * (4 + 3 + k)  # read x, g, m, v, k neighbours; write x, m, v
             gbs = min_bytes / t["ours"] / 1e9
             rows.append(dict(
@@ -175,7 +186,7 @@ def main():
     nb_dtypes = [torch.float32, torch.bfloat16]
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print("speedup = baseline time / our time; roofline = measured x.copy_(y) bandwidth")
+    print("speedup = baseline time / our time; roofline = best of x.copy_(y) / torch.add(out=) bandwidth")
     print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
     print("|--------------|-------|---|----------|--------|----------|----------------------|")
     rows = bench_mix(args.device, sizes, ks, nb_dtypes, repeats)
