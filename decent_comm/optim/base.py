@@ -50,7 +50,6 @@ class DecentralizedMixin:
         self._resume_factor = None       # consensus factor of step _t restored from a checkpoint
         self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in self._buckets}
         self._hooks = []
-        self.last_disagreement = None
         self._exchanger = None
         if self.world_size > 1:
             self._verify_replicas()
