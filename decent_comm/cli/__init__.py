@@ -1,0 +1,53 @@
+"""``python -m decent_comm <subcommand> ...``: the command line.
+
+``main(argv=None) -> int`` builds an argparse parser with one subparser per
+registered subcommand (``registry.SUBCOMMANDS``, filled by importing
+``registry.BUILTIN_MODULES``) and returns the exit code: 0 on success, 2 on
+bad input (argparse style: usage line plus ``error: ...`` on stderr, never a
+traceback).  It does not call ``sys.exit``; ``decent_comm/__main__.py`` does.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from .registry import BUILTIN_MODULES, SUBCOMMANDS, Subcommand, register
+
+__all__ = ["main", "build_parser", "register", "Subcommand", "SUBCOMMANDS"]
+
+
+def _load_builtins() -> None:
+    for mod in BUILTIN_MODULES:
+        importlib.import_module(mod)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    _load_builtins()
+    parser = argparse.ArgumentParser(prog="python -m decent_comm",
+                                     description="decent_comm command line tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in sorted(SUBCOMMANDS):
+        cmd = SUBCOMMANDS[name]
+        p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.add_arguments(p)
+        p.set_defaults(_subcommand=cmd, _subparser=p)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; returns the exit code (2 for bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        sub_parser = args._subparser
+        try:
+            return int(args._subcommand.run(args, sub_parser) or 0)
+        except ValueError as e:  # bad input found past parsing: argparse-style message, exit 2
+            sub_parser.error(str(e))
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0

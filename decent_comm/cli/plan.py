@@ -1,0 +1,232 @@
+"""``python -m decent_comm plan``: predict step times per topology and recommend one.
+
+Builds a ``ClusterConfig`` and a ``Workload`` from the flags (human units),
+optionally measures the compute time and a link proxy (``--measure``), runs
+``decent_comm.runtime_model.plan`` and prints a table (``plan_report``) or
+JSON (``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..runtime_model import units
+from ..runtime_model.hardware import INTRA_SHARING, ClusterConfig
+from ..runtime_model.planner import GAP_THRESHOLD, default_topologies, plan
+from ..runtime_model.workload import DDP_BUCKET_BYTES, EXCHANGES, MODES, WIRE_DTYPES, ComputeTime, Workload
+from . import plan_report
+from .registry import Subcommand, register
+
+DESCRIPTION = """\
+Predict the mean step time of ring All-Reduce and of gossip topologies on a
+cluster, closed form and simulated side by side, with the paper's ratios
+gamma (all-reduce comm / compute), omega (gossip comm / all-reduce comm) and
+sigma^2 (compute variance / mean^2), and recommend one.
+
+Units: bandwidth 25Gbit, 100Gbps, 600Gbit/s (bits) or 12.5GB/s, 12.5GBps
+(bytes); counts 65M, 1.3B; durations 120ms, 0.12s, 5us.  Inter-node
+bandwidth is per node (the node's ranks share its NIC); intra-node bandwidth
+is per rank (--intra-sharing pair: per rank pair).
+
+Recommendation: the fastest (simulated, else closed-form) step time among
+allreduce and the topologies whose spectral gap per step is >= --gap-threshold
+(sparser graphs average slower per step, so they may need more steps to reach
+the same loss); if none reaches it, all topologies compete.
+
+--json prints one object: one entry per candidate name ("allreduce" and each
+topology) with step_seconds, speedup, simulated_step_seconds,
+simulated_speedup, comm_seconds, gamma, omega, sigma2, spectral_gap_per_step,
+...; plus "candidates" (the names in order), "recommended", "rule",
+"skipped", "notes" and "inputs".
+
+example:
+  python -m decent_comm plan --nodes 4 --gpus-per-node 4 --params 65M \\
+      --inter-bw 25Gbit --intra-bw 600Gbit --compute 120ms --compute-std 10ms
+"""
+
+
+def _typed(fn, **kw):
+    def parse(text):
+        try:
+            return fn(text, **kw)
+        except units.UnitError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = fn.__name__.replace("parse_", "")
+    return parse
+
+
+def _positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _fraction(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=_positive_int, default=1, help="number of nodes (default 1)")
+    g.add_argument("--gpus-per-node", "--ranks-per-node", dest="gpus_per_node", type=_positive_int, default=1,
+                   help="ranks per node (default 1)")
+    g.add_argument("--inter-bw", type=_typed(units.parse_bandwidth), help="inter-node bandwidth per node, e.g. 25Gbit")
+    g.add_argument("--intra-bw", type=_typed(units.parse_bandwidth), help="intra-node bandwidth per rank, e.g. 600Gbit")
+    g.add_argument("--latency", type=_typed(units.parse_duration), help="latency of both link classes, e.g. 5us")
+    g.add_argument("--inter-latency", type=_typed(units.parse_duration), help="inter-node latency (default 10us)")
+    g.add_argument("--intra-latency", type=_typed(units.parse_duration), help="intra-node latency (default 3us)")
+    g.add_argument("--intra-sharing", choices=INTRA_SHARING, default="rank",
+                   help="intra-node bandwidth belongs to each rank (default) or to each rank pair")
+    g = p.add_argument_group("workload")
+    g.add_argument("--params", type=_typed(units.parse_count), help="parameters per replica, e.g. 65M, 1.3B")
+    g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
+                   help="dtype on the wire: fp32 (default, 4 bytes/param), bf16, fp16 (2), fp8 (1), ...")
+    g.add_argument("--compute", type=_typed(units.parse_duration, allow_zero=True),
+                   help="mean forward+backward+update time per step, e.g. 120ms")
+    g.add_argument("--compute-std", type=_typed(units.parse_duration), default=0.0,
+                   help="its standard deviation (default 0)")
+    g.add_argument("--compute-sample", metavar="FILE|LIST",
+                   help="measured step times: a file with one duration per line or a comma list (resampled)")
+    g.add_argument("--forward-fraction", type=_fraction, default=1 / 3, help="forward share of compute (1/3)")
+    g.add_argument("--backward-fraction", type=_fraction, default=2 / 3, help="backward share of compute (2/3)")
+    g.add_argument("--mode", choices=MODES, default="awc",
+                   help="awc: exchange overlaps forward+backward (default); atc: forward only")
+    g.add_argument("--exchange", choices=EXCHANGES, default="p2p",
+                   help="p2p: each rank sends its buffer to each peer (decent_comm, default); group-allreduce:"
+                        " steps that average uniformly over groups run one all-reduce per group (Decent-DP)")
+    g.add_argument("--bucket-size", type=_typed(units.parse_size), default=float(DDP_BUCKET_BYTES),
+                   help="all-reduce bucket size (default 25MiB, as PyTorch DDP)")
+    g = p.add_argument_group("planning")
+    g.add_argument("--topologies", help="comma list (default: one-peer-exp,exp,ring,aer,base-k,torus,complete;"
+                   " aer only when nodes is a power of two >= 2)")
+    g.add_argument("--gap-threshold", type=float, default=GAP_THRESHOLD,
+                   help=f"minimum spectral gap per step to be recommended (default {GAP_THRESHOLD})")
+    g.add_argument("--steps", type=_positive_int, default=500, help="simulated steps (default 500)")
+    g.add_argument("--warmup", type=int, default=50, help="simulated warm-up steps (default 50)")
+    g.add_argument("--seed", type=int, default=0, help="simulation seed")
+    g.add_argument("--no-sim", action="store_true", help="closed form only")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--measure", action="store_true",
+                   help="time the model's forward+backward locally and probe the links (local proxy unless"
+                        " torch.distributed is initialised); explicit flags still win")
+    g.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="with --measure: factory returning (model, example_batch); default a built-in MLP"
+                        " of --params parameters")
+    g.add_argument("--measure-iters", type=_positive_int, default=10, help="timed iterations (default 10)")
+    g.add_argument("--device", default="auto", help="with --measure: auto, cpu, cuda, cuda:1 ...")
+
+
+def _read_sample(text: str) -> list:
+    import os
+    if os.path.exists(text):
+        with open(text) as fh:
+            items = [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    else:
+        items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--compute-sample {text!r}: no values")
+    return [units.parse_duration(t) for t in items]
+
+
+def _measure(args, notes: list):
+    """Fill compute / params / links from local measurements (explicit flags win)."""
+    from ..runtime_model import measure
+
+    if args.model:
+        model, batch = measure.load_factory(args.model)()
+    else:
+        if args.params is None:
+            raise ValueError("--measure without --model needs --params (size of the built-in MLP)")
+        model, batch = measure.builtin_mlp(args.params)
+    n_params = sum(p.numel() for p in model.parameters())
+    times = measure.measure_compute(model, batch, iters=args.measure_iters, device=args.device)
+    what = f"model {args.model}" if args.model else "built-in MLP"
+    notes.append(f"measured compute over {len(times)} iterations ({what},"
+                 f" {n_params / 1e6:.3g}M params): mean {units.format_seconds(sum(times) / len(times))}")
+    if args.params is None:
+        args.params = float(n_params)
+    if args.compute is None and args.compute_sample is None:
+        args.compute_sample = times
+    probe = measure.measure_link()
+    notes.append("links: " + probe.source)
+    if args.inter_bw is None:
+        args.inter_bw = probe.inter_bandwidth
+    if args.intra_bw is None:
+        args.intra_bw = probe.intra_bandwidth
+    if args.inter_latency is None and args.latency is None:
+        args.inter_latency = probe.inter_latency
+    if args.intra_latency is None and args.latency is None:
+        args.intra_latency = probe.intra_latency
+
+
+def build_inputs(args, parser):
+    """``(ClusterConfig, Workload, notes)`` from parsed flags; ``parser.error`` on missing ones."""
+    notes = []
+    if args.measure:
+        _measure(args, notes)
+    if args.params is None:
+        parser.error("--params is required (e.g. --params 65M), or --measure with --model")
+    if args.compute is None and args.compute_sample is None:
+        parser.error("--compute is required (e.g. --compute 120ms), or --compute-sample / --measure")
+    if args.nodes > 1 and args.inter_bw is None:
+        parser.error("--inter-bw is required with --nodes > 1 (e.g. --inter-bw 25Gbit), or --measure")
+    if args.gpus_per_node > 1 and args.intra_bw is None:
+        parser.error("--intra-bw is required with --gpus-per-node > 1 (e.g. --intra-bw 600Gbit), or --measure")
+    if not args.gap_threshold <= 1:
+        parser.error(f"--gap-threshold must be <= 1, got {args.gap_threshold}")
+    if args.warmup < 0 or args.warmup >= args.steps:
+        parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    lat = args.latency
+    cluster = ClusterConfig(
+        nodes=args.nodes, ranks_per_node=args.gpus_per_node,
+        inter_bandwidth=args.inter_bw if args.inter_bw is not None else math.inf,
+        intra_bandwidth=args.intra_bw if args.intra_bw is not None else math.inf,
+        inter_latency=args.inter_latency if args.inter_latency is not None else (lat if lat is not None else 10e-6),
+        intra_latency=args.intra_latency if args.intra_latency is not None else (lat if lat is not None else 3e-6),
+        intra_sharing=args.intra_sharing)
+    fractions = dict(forward_fraction=args.forward_fraction, backward_fraction=args.backward_fraction)
+    if args.compute is not None:
+        compute = ComputeTime(mean=args.compute, std=args.compute_std, **fractions)
+        if args.compute_sample is not None:
+            notes.append("--compute given: --compute-sample / measured times not used")
+    else:
+        sample = args.compute_sample
+        compute = ComputeTime.from_sample(sample if isinstance(sample, list) else _read_sample(sample), **fractions)
+    workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
+                        mode=args.mode, bucket_bytes=args.bucket_size, exchange=args.exchange)
+    return cluster, workload, notes
+
+
+def run(args, parser) -> int:
+    cluster, workload, notes = build_inputs(args, parser)
+    if args.topologies:
+        names = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        if not names:
+            parser.error("--topologies is empty")
+    else:
+        names = default_topologies(cluster)
+        if "aer" not in names:
+            notes.append("aer skipped: it needs the number of nodes to be a power of two >= 2"
+                         f" (got {cluster.nodes})")
+    result = plan(cluster, workload, names, simulate_steps=args.steps, warmup=args.warmup, seed=args.seed,
+                  run_simulation=not args.no_sim, gap_threshold=args.gap_threshold)
+    if args.json:
+        print(plan_report.to_json(result, cluster, workload, args.wire_dtype, notes))
+    else:
+        print(plan_report.to_text(result, cluster, workload, args.wire_dtype, notes))
+    return 0
+
+
+register(Subcommand(name="plan", help="predict step time per topology vs All-Reduce and recommend one",
+                    add_arguments=add_arguments, run=run, description=DESCRIPTION))

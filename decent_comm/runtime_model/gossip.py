@@ -1,0 +1,250 @@
+"""Closed-form communication and straggler terms of one gossip schedule.
+
+**Communication per rank and step** ``D_i(t)`` (``B`` bytes per message):
+rank ``i``'s update at step ``t`` waits for its slowest incoming message.
+Transfers sharing a link share its bandwidth, so a message ``j -> i`` takes::
+
+    inter-node:  a_e + max(egress_u(t) * B / bw_e(u), ingress_v(t) * B / bw_e(v))    u = node(j), v = node(i)
+    intra-node:  a_a + max(send_j(t), recv_i(t)) * B / bw_a        (intra_sharing = "rank")
+                 a_a + B / bw_a                                    (intra_sharing = "pair")
+    D_i(t) = max over i's incoming messages (0 without peers)
+
+``egress_u`` / ``ingress_u``: inter-node messages leaving / entering node
+``u`` (all its ranks share one NIC: per-node bytes, ``loads.step_links``);
+``send_j`` / ``recv_i``: intra-node messages of a rank.  The per-rank
+maxima over ranks agree with ``decent_comm.topology.comm_cost``; the
+per-node sums are what ``comm_cost`` does not give.
+
+**Group all-reduce exchange** (``Workload.exchange = "group-allreduce"``,
+how the seed library Decent-DP runs a step whose ``W`` is uniform averaging
+over groups): each group ``g`` spanning ``N_g`` nodes with ``L_g`` of its
+ranks per node runs one hierarchical all-reduce (``allreduce.py``)::
+
+    c_g = 2 (L_g-1)/L_g * B / bw_a + 2 (L_g-1) a_a
+        + [N_g > 1] (2 (N_g-1)/N_g * B * q_g / bw_e + 2 (N_g-1) a_e)
+
+with ``q_g`` the number of multi-node groups sharing the busiest NIC of
+``g``; every member waits for it: ``D_i(t) = c_g``.  Other steps stay
+point-to-point.
+
+**Step time.**  Rank ``i`` needs ``(1 - f) mu + max(f mu, D_i(t))`` at step
+``t`` when its neighbours are in phase with it; the schedule runs at the
+pace of its slowest rank averaged over the period::
+
+    T = max_i mean_t [ (1 - f) mu + max(f mu, D_i(t)) + sigma * g(k, s_i(t)) ],   s_i(t) = (f mu - D_i(t)) / sigma
+
+Averaging per rank matters for schedules whose heavy steps move around:
+with ``aer`` half the nodes use the network at any step, so "slowest rank at
+every step" would charge the inter-node exchange every step, while each rank
+pays it only every other step.  For ``sigma = 0`` this matches the simulator
+exactly on static schedules and on ``aer``; on ``one-peer-exp`` /
+``base-k`` the neighbours' phases differ and it can be a few percent off
+either way (see docs/runtime_model_paper.md).
+
+**Stragglers.**  In AWC rank ``i``'s update ``t`` waits for the buffers its
+neighbours produced at the end of step ``t-1``, one whole compute time
+earlier, so a slow neighbour stalls it only when it lags by more than the
+*slack* ``f mu - D``.  Simulations show the mean penalty is ``sigma * g(s)``
+with ``s`` the slack in units of ``sigma`` and ``g`` depending only on ``s``
+and the schedule (the max-plus recursion is invariant under shifting and
+scaling time).  We use::
+
+    g(s) = G(k) * (1 + (s / s0)^p)^(-1/p)     s >= 0   (compute-bound side)
+    g(s) = G(k) * exp(-(s / w)^2 / 2)          s <  0   (communication-bound side)
+    G(k) = c0 + c1 * e(k),   k = 1 + mean_t max_i indegree_i(t) + 0.5 [period > 1]   (capped at n)
+
+with ``e(k)`` the expected max of ``k`` standard normals, ``G`` the penalty
+(in ``sigma``) when communication exactly matches compute, ``k`` the
+neighbourhood of one step, amortised: +0.5 for time-varying schedules, whose
+peers change every step so the set of ranks a rank depends on grows.
+``c0 = 0.376, c1 = 0.382, s0 = 1.6, p = 1.5, w = 0.75`` were fitted once
+(least squares, not per topology) to 336 simulations (8 topologies x n = 8,
+16, 64 x 14 slacks ``s`` in [-3, 20], fixed message time); residual 0.05
+``sigma`` RMS, 0.22 ``sigma`` at worst (complete graph, n = 64, just
+communication-bound).  ``g = 0`` without peers.  The reported ``sync_set``
+is ``e^{-1}(g)``: the step costs the expected max of that many compute
+times.  The naive "wait for the slowest of degree + 1" rule would give
+``e(degree + 1)`` at every slack, several times too much when compute-bound
+(``s = 10``: ring ``e(3) = 0.85`` vs ``0.10`` simulated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .loads import schedule_links, step_groups
+from .stragglers import expected_max_normal
+
+#: Fitted constants of the straggler penalty ``g`` (see the module docstring).
+G_C0, G_C1, G_S0, G_P, G_W = 0.376, 0.382, 1.6, 1.5, 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class StepComm:
+    """Closed-form communication of one step of the period (seconds).
+
+    ``rank_seconds``: ``D_i(t)`` for every rank (array); ``seconds``: the
+    slowest rank's; ``inter_seconds`` / ``intra_seconds``: the slowest
+    inter- / intra-node message; ``max_node_inter_bytes``: the busiest NIC
+    direction; ``max_indegree``: most buffers one rank receives;
+    ``nic_seconds`` (per node) / ``port_seconds`` (per rank): bandwidth time
+    of the busier NIC direction / of the rank's intra-node port (or busiest
+    pair link) this step, without latency (for ``throughput_bound``).
+    """
+
+    step: int
+    rank_seconds: np.ndarray
+    seconds: float
+    inter_seconds: float
+    intra_seconds: float
+    max_node_inter_bytes: float
+    max_indegree: int
+    nic_seconds: np.ndarray = None
+    port_seconds: np.ndarray = None
+
+
+def group_costs(cluster, B: float, groups) -> list:
+    """``[(ranks, c_g), ...]`` for the multi-rank ``groups`` of one step (formula in the module docstring)."""
+    L = cluster.ranks_per_node
+    node_bw = cluster.node_bandwidths()
+    spans = [(g, sorted({r // L for r in g})) for g in groups if len(g) > 1]
+    share = {}
+    for _, nodes in spans:
+        if len(nodes) > 1:
+            for u in nodes:
+                share[u] = share.get(u, 0) + 1
+    out = []
+    for g, nodes in spans:
+        Ng = len(nodes)
+        Lg = max(sum(1 for r in g if r // L == u) for u in nodes)
+        c = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth + 2.0 * (Lg - 1) * cluster.intra_latency
+        if Ng > 1:
+            q = max(share[u] for u in nodes)
+            bw = min(node_bw[u] for u in nodes)
+            c += 2.0 * (Ng - 1) / Ng * B * q / bw + 2.0 * (Ng - 1) * cluster.inter_latency
+        out.append((np.asarray(g, dtype=np.int64), c))
+    return out
+
+
+def group_link_loads(cluster, B: float, groups) -> list:
+    """``[(nic_seconds, port_seconds), ...]`` per multi-rank group: the bandwidth terms of ``c_g``
+    (what one NIC direction / one rank's port carries for it), same order as ``group_costs``."""
+    L = cluster.ranks_per_node
+    node_bw = cluster.node_bandwidths()
+    multi = [g for g in groups if len(g) > 1]
+    share = {}
+    for g in multi:
+        nodes = {r // L for r in g}
+        if len(nodes) > 1:
+            for u in nodes:
+                share[u] = share.get(u, 0) + 1
+    out = []
+    for g in multi:
+        nodes = sorted({r // L for r in g})
+        Ng = len(nodes)
+        Lg = max(sum(1 for r in g if r // L == u) for u in nodes)
+        port = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth
+        nic = 0.0
+        if Ng > 1:
+            nic = 2.0 * (Ng - 1) / Ng * B * max(share[u] for u in nodes) / min(node_bw[u] for u in nodes)
+        out.append((nic, port))
+    return out
+
+
+def throughput_bound(mu: float, steps: list) -> float:
+    """Lower bound on the mean step: ``max(mu, max over links of their mean busy time per step)``.
+
+    Every link must carry its period's bytes whatever the ranks' phases, so
+    no schedule runs faster; ranks drifting out of phase (stragglers, ATC)
+    can approach it by pipelining transfers through a shared NIC.
+    """
+    nic = np.mean([s.nic_seconds for s in steps], axis=0).max(initial=0.0)
+    port = np.mean([s.port_seconds for s in steps], axis=0).max(initial=0.0)
+    return float(max(mu, nic, port))
+
+
+def workload_step_groups(workload, topology, step):
+    """``loads.step_groups`` when ``workload.exchange == "group-allreduce"`` (cached), else ``None``."""
+    if workload.exchange != "group-allreduce":
+        return None
+    cache = topology.__dict__.setdefault("_runtime_model_groups", {})
+    if step not in cache:
+        cache[step] = step_groups(topology, step)
+    return cache[step]
+
+
+def schedule_comm(cluster, workload, topology) -> list:
+    """``StepComm`` for every step of ``topology``'s period (formulas in the module docstring)."""
+    B = workload.bytes_per_rank
+    n, L = cluster.world_size, cluster.ranks_per_node
+    node_bw = np.asarray(cluster.node_bandwidths(), dtype=np.float64)
+    out = []
+    for links in schedule_links(topology):
+        src, dst, inter = links.src, links.dst, links.inter
+        indeg = int(np.bincount(dst, minlength=n).max()) if dst.size else 0
+        groups = workload_step_groups(workload, topology, links.step)
+        if groups is not None:
+            D = np.zeros(n)
+            nic, port = np.zeros(cluster.nodes), np.zeros(n)
+            t_inter = t_intra = 0.0
+            node_load = 0.0
+            for (ranks, c), (nic_g, port_g) in zip(group_costs(cluster, B, groups),
+                                                   group_link_loads(cluster, B, groups)):
+                D[ranks] = c
+                nodes = sorted({r // L for r in ranks.tolist()})
+                port[ranks] = np.maximum(port[ranks], port_g)
+                if len(nodes) > 1:
+                    nic[nodes] = np.maximum(nic[nodes], nic_g)
+                    t_inter = max(t_inter, c)
+                    node_load = max(node_load, nic_g * float(np.min(node_bw[nodes])))
+                else:
+                    t_intra = max(t_intra, c)
+            out.append(StepComm(step=links.step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
+                                inter_seconds=t_inter, intra_seconds=t_intra, max_node_inter_bytes=node_load,
+                                max_indegree=indeg, nic_seconds=nic, port_seconds=port))
+            continue
+        egress = links.node_egress * B / node_bw
+        ingress = links.node_ingress * B / node_bw
+        t_inter = cluster.inter_latency + np.maximum(egress[src // L], ingress[dst // L])
+        if cluster.intra_sharing == "pair":
+            t_intra = np.full(src.size, cluster.intra_latency + B / cluster.intra_bandwidth)
+        else:
+            busiest = np.maximum(links.rank_intra_send[src], links.rank_intra_recv[dst])
+            t_intra = cluster.intra_latency + busiest * B / cluster.intra_bandwidth
+        t_msg = np.where(inter, t_inter, t_intra)
+        D = np.zeros(n)
+        if src.size:
+            np.maximum.at(D, dst, t_msg)
+        node_load = np.maximum(links.node_egress, links.node_ingress) * B
+        if cluster.intra_sharing == "pair":
+            port = np.where((links.rank_intra_send + links.rank_intra_recv) > 0, B / cluster.intra_bandwidth, 0.0)
+        else:
+            port = np.maximum(links.rank_intra_send, links.rank_intra_recv) * B / cluster.intra_bandwidth
+        out.append(StepComm(
+            step=links.step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
+            inter_seconds=float(t_msg[inter].max(initial=0.0)),
+            intra_seconds=float(t_msg[~inter].max(initial=0.0)),
+            max_node_inter_bytes=float(node_load.max(initial=0.0)), max_indegree=indeg,
+            nic_seconds=node_load / node_bw, port_seconds=port))
+    return out
+
+
+def sync_set_size(topology, steps: list) -> float:
+    """``k = 1 + mean_t max indegree + 0.5 [period > 1]``, capped at n (1 without peers)."""
+    degs = [s.max_indegree for s in steps]
+    if max(degs, default=0) == 0:
+        return 1.0
+    k = 1.0 + float(np.mean(degs)) + (0.5 if topology.period > 1 else 0.0)
+    return min(k, float(topology.world_size))
+
+
+def straggler_penalty(k: float, slack: float) -> float:
+    """``g(s)`` in units of sigma for sync-set size ``k`` and slack ``s`` (module docstring)."""
+    if k <= 1.0:
+        return 0.0
+    G = G_C0 + G_C1 * expected_max_normal(round(k, 6))
+    if slack >= 0:
+        return G * (1.0 + (slack / G_S0) ** G_P) ** (-1.0 / G_P)
+    return G * math.exp(-0.5 * (slack / G_W) ** 2)

@@ -1,0 +1,81 @@
+"""The cluster: nodes, ranks per node and the two link classes.
+
+``ClusterConfig`` (frozen dataclass, base units: bytes/s and seconds):
+
+* ``nodes`` (N) and ``ranks_per_node`` (L): ``world_size = n = N * L``;
+  rank ``r`` lives on node ``r // L`` (as in ``decent_comm.topology``).
+* ``inter_bandwidth`` / ``inter_latency``: the inter-node link.  The
+  bandwidth is **per node**: the ranks of a node share its NIC, so a node
+  whose L ranks each send ``B`` bytes to other nodes needs ``L * B / bw``.
+  The NIC is full duplex (egress and ingress are separate resources).
+  ``node_inter_bandwidths`` optionally gives one bandwidth per node
+  (heterogeneous clusters); ``inter_bandwidth`` is then their minimum.
+* ``intra_bandwidth`` / ``intra_latency``: the intra-node link (NVLink,
+  PCIe, shared memory).  ``intra_sharing`` says what the bandwidth belongs to:
+
+  - ``"rank"`` (default): each rank's own intra-node port (egress and
+    ingress separately); concurrent intra-node transfers of one rank share
+    it.  This is how per-GPU NVLink/NVSwitch or PCIe bandwidth is quoted
+    ("600 GB/s per GPU").
+  - ``"pair"``: every ordered rank pair has its own link of that bandwidth
+    (a full mesh of dedicated links); concurrent transfers to different
+    peers do not interfere.
+
+A transfer of ``b`` bytes over a link costs ``latency + b / bandwidth``
+(the alpha-beta model); concurrent transfers overlap their latencies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+INTRA_SHARING = ("rank", "pair")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """See the module docstring.  Validated on construction (``ValueError``)."""
+
+    nodes: int
+    ranks_per_node: int
+    inter_bandwidth: float
+    intra_bandwidth: float
+    inter_latency: float = 5e-6
+    intra_latency: float = 2e-6
+    intra_sharing: str = "rank"
+    node_inter_bandwidths: tuple | None = None
+
+    def __post_init__(self):
+        for name in ("nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("inter_bandwidth", "intra_bandwidth"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):  # inf allowed: an ideal link
+                raise ValueError(f"{name} must be > 0 bytes/s, got {v!r}")
+        for name in ("inter_latency", "intra_latency"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 seconds, got {v!r}")
+        if self.intra_sharing not in INTRA_SHARING:
+            raise ValueError(f"intra_sharing must be one of {INTRA_SHARING}, got {self.intra_sharing!r}")
+        if self.node_inter_bandwidths is not None:
+            bws = tuple(float(b) for b in self.node_inter_bandwidths)
+            if len(bws) != self.nodes or min(bws) <= 0:
+                raise ValueError(f"node_inter_bandwidths needs {self.nodes} positive values, got {bws}")
+            object.__setattr__(self, "node_inter_bandwidths", bws)
+            object.__setattr__(self, "inter_bandwidth", min(bws))
+
+    @property
+    def world_size(self) -> int:
+        """``n = nodes * ranks_per_node``."""
+        return self.nodes * self.ranks_per_node
+
+    def node_bandwidths(self) -> tuple:
+        """Inter-node bandwidth of every node (``inter_bandwidth`` repeated unless heterogeneous)."""
+        return self.node_inter_bandwidths or (self.inter_bandwidth,) * self.nodes
+
+    def with_(self, **changes) -> "ClusterConfig":
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,135 @@
+"""What one training step costs: ``ComputeTime`` and ``Workload``.
+
+``ComputeTime``: the forward + backward (+ optimizer update) time of one
+step on one rank, a random variable ``C`` described by ``mean`` and ``std``
+(normal, truncated at 0 in the simulator) or by a measured ``sample``
+(resampled; ``mean``/``std`` are then the sample's).  ``forward_fraction``
+(default 1/3) and ``backward_fraction`` (default 2/3) split it: ATC overlaps
+communication with the forward only, all-reduce with the backward only.
+
+``Workload``: ``params`` (count) times ``bytes_per_param`` (wire dtype: 4 for
+fp32, 2 for bf16/fp16) is the buffer ``B`` every rank exchanges per step
+(gradients for all-reduce, parameters for gossip); ``mode`` is ``"awc"``
+(communication overlaps forward + backward) or ``"atc"`` (forward only);
+``bucket_bytes`` is the all-reduce bucket size (PyTorch DDP's default
+``bucket_cap_mb = 25``, i.e. 25 MiB).  ``exchange`` says how a gossip step
+moves bytes: ``"p2p"`` (default; every rank sends its buffer to each
+out-neighbour, as ``decent_comm``'s exchange scheduler does) or
+``"group-allreduce"`` (steps whose mixing matrix is uniform averaging over
+groups run one all-reduce per group, as the seed library Decent-DP does;
+other steps stay point-to-point).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .stragglers import expected_max_normal, expected_max_sample
+
+MODES = ("awc", "atc")
+EXCHANGES = ("p2p", "group-allreduce")
+WIRE_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
+               "float16": 2, "half": 2, "fp8": 1, "int8": 1, "fp64": 8, "float64": 8}
+DDP_BUCKET_BYTES = 25 * 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeTime:
+    """Per-step compute time of one rank (seconds); see the module docstring."""
+
+    mean: float
+    std: float = 0.0
+    sample: tuple | None = None
+    forward_fraction: float = 1.0 / 3.0
+    backward_fraction: float = 2.0 / 3.0
+
+    def __post_init__(self):
+        if self.sample is not None:
+            s = np.asarray(self.sample, dtype=np.float64).ravel()
+            if s.size == 0 or not np.all(np.isfinite(s)) or s.min() < 0:
+                raise ValueError("compute sample must be a non-empty list of finite times >= 0")
+            object.__setattr__(self, "sample", tuple(s.tolist()))
+            object.__setattr__(self, "mean", float(s.mean()))
+            object.__setattr__(self, "std", float(s.std()))
+        if not (math.isfinite(self.mean) and self.mean >= 0):
+            raise ValueError(f"compute mean must be a finite time >= 0 seconds, got {self.mean!r}")
+        if not (math.isfinite(self.std) and self.std >= 0):
+            raise ValueError(f"compute std must be a finite time >= 0 seconds, got {self.std!r}")
+        for name in ("forward_fraction", "backward_fraction"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+
+    @classmethod
+    def from_sample(cls, sample, **kw) -> "ComputeTime":
+        """A ``ComputeTime`` resampled from measured per-step times."""
+        return cls(mean=0.0, sample=tuple(sample), **kw)
+
+    @property
+    def cv2(self) -> float:
+        """``sigma^2 = Var[C] / E[C]^2`` (squared coefficient of variation; 0 when mean is 0)."""
+        return (self.std / self.mean) ** 2 if self.mean > 0 else 0.0
+
+    def expected_max(self, k: float) -> float:
+        """``E[max of k independent draws of C]`` (``k`` may be fractional for normal C).
+
+        Normal: ``mean + std * e(k)`` with ``e(k) = E[max of k standard
+        normals]`` (``expected_max_normal``); sample: the exact expectation
+        under resampling with replacement (``expected_max_sample``).
+        """
+        if self.sample is not None:
+            return expected_max_sample(self.sample, k)
+        return self.mean + self.std * expected_max_normal(k)
+
+    def draw(self, rng: np.random.Generator, size) -> np.ndarray:
+        """Random compute times: resampled, or normal clipped at 0."""
+        if self.sample is not None:
+            return rng.choice(np.asarray(self.sample), size=size)
+        if self.std == 0:
+            return np.full(size, self.mean)
+        return np.maximum(rng.normal(self.mean, self.std, size=size), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """``params`` x ``bytes_per_param`` bytes per rank per step, ``compute`` time, overlap ``mode``."""
+
+    params: float
+    compute: ComputeTime
+    bytes_per_param: int = 4
+    mode: str = "awc"
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    exchange: str = "p2p"
+
+    def __post_init__(self):
+        if not (math.isfinite(self.params) and self.params >= 0):
+            raise ValueError(f"params must be >= 0, got {self.params!r}")
+        if self.bytes_per_param <= 0:
+            raise ValueError(f"bytes_per_param must be > 0, got {self.bytes_per_param!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if not self.bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
+
+    @property
+    def bytes_per_rank(self) -> float:
+        """``B = params * bytes_per_param``: what each rank sends per message / all-reduces per step."""
+        return float(self.params) * self.bytes_per_param
+
+    @property
+    def buckets(self) -> int:
+        """All-reduce buckets: ``ceil(B / bucket_bytes)`` (at least 1)."""
+        return max(1, math.ceil(self.bytes_per_rank / self.bucket_bytes))
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Fraction of compute a gossip exchange overlaps: 1 (AWC) or ``forward_fraction`` (ATC)."""
+        return 1.0 if self.mode == "awc" else self.compute.forward_fraction
+
+    def with_(self, **changes) -> "Workload":
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
