@@ -113,10 +113,23 @@ void set_disagreement(const char* op, FusedOperands& o, const std::optional<at::
   o.disagreement = float_ptr(d);
 }
 
-void check_adam_hyper(const char* op, int64_t step, double beta1, double beta2) {
+// Validates the Adam-family hyper-parameters and fills them in, with the bias corrections for
+// `bias_steps` moment updates (the step for Adam; the window count for AccumAdam).
+HyperParams adam_hyper(const char* op, int64_t step, double bias_steps, double lr, double beta1, double beta2,
+                       double eps, double weight_decay, bool decoupled) {
   TORCH_CHECK(step >= 1, op, ": step is the 1-based count after this update and must be >= 1, got ", step);
   TORCH_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, op, ": beta2 must be in [0, 1), got ", beta2);
+  HyperParams hp;
+  hp.lr = lr;
+  hp.weight_decay = weight_decay;
+  hp.beta1 = beta1;
+  hp.beta2 = beta2;
+  hp.eps = eps;
+  hp.step_size = lr / (1 - std::pow(beta1, bias_steps));
+  hp.bc2_sqrt = std::sqrt(1 - std::pow(beta2, bias_steps));
+  hp.decoupled = decoupled;
+  return hp;
 }
 
 // Runs validated operands on x's device; on Meta (fake tensors) validation was all there is to do.
@@ -177,18 +190,9 @@ void mix_adam_impl(const at::Tensor& x, at::TensorList neighbors, double self_we
   check_state(op, "exp_avg", exp_avg, x);
   check_state(op, "exp_avg_sq", exp_avg_sq, x);
   set_disagreement(op, o, disagreement, x);
-  check_adam_hyper(op, step, beta1, beta2);
+  const HyperParams hp = adam_hyper(op, step, double(step), lr, beta1, beta2, eps, weight_decay, decoupled);
   o.state[0] = float_ptr(exp_avg);
   o.state[1] = float_ptr(exp_avg_sq);
-  HyperParams hp;
-  hp.lr = lr;
-  hp.weight_decay = weight_decay;
-  hp.beta1 = beta1;
-  hp.beta2 = beta2;
-  hp.eps = eps;
-  hp.step_size = lr / (1 - std::pow(beta1, double(step)));
-  hp.bc2_sqrt = std::sqrt(1 - std::pow(beta2, double(step)));
-  hp.decoupled = decoupled;
   run(UpdateKind::Adam, o, hp, x);
 }
 
@@ -204,25 +208,16 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
   check_state(op, "exp_avg_sq", exp_avg_sq, x);
   check_state(op, "accum", accum, x);
   set_disagreement(op, o, disagreement, x);
-  check_adam_hyper(op, step, beta1, beta2);
   TORCH_CHECK(accum_steps >= 1, op, ": accum_steps must be >= 1, got ", accum_steps);
-  o.state[0] = float_ptr(exp_avg);
-  o.state[1] = float_ptr(exp_avg_sq);
-  o.state[2] = float_ptr(accum);
   // Bias correction counts windows, k = ceil(t / K): M and V have been updated k - 1 times, and the
   // look-ahead m, v once more.
   const double windows = double((step + accum_steps - 1) / accum_steps);
-  HyperParams hp;
-  hp.lr = lr;
-  hp.weight_decay = weight_decay;
-  hp.beta1 = beta1;
-  hp.beta2 = beta2;
-  hp.eps = eps;
-  hp.step_size = lr / (1 - std::pow(beta1, windows));
-  hp.bc2_sqrt = std::sqrt(1 - std::pow(beta2, windows));
-  hp.decoupled = decoupled;
+  HyperParams hp = adam_hyper(op, step, windows, lr, beta1, beta2, eps, weight_decay, decoupled);
   hp.accum_steps = double(accum_steps);
   hp.flush = step % accum_steps == 0;
+  o.state[0] = float_ptr(exp_avg);
+  o.state[1] = float_ptr(exp_avg_sq);
+  o.state[2] = float_ptr(accum);
   run(UpdateKind::AccumAdam, o, hp, x);
 }
 
