@@ -9,6 +9,9 @@ import torch
 
 # Relative size of one rounding step of each storage dtype (half an ulp, with margin).
 STORE_RTOL = {torch.float64: 1e-15, torch.float32: 1.2e-7, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+# Below the smallest normal number the spacing stops shrinking: rounding there is absolute, at most half
+# the smallest subnormal (float16: 2**-25; a relative bound alone fails for results like 2.7e-5 in fp16).
+STORE_ATOL = {d: torch.finfo(d).smallest_normal * torch.finfo(d).eps for d in STORE_RTOL}
 
 
 def mix64(x, neighbors, self_weight, weights):
@@ -67,7 +70,7 @@ def accum_adam64(x_old, mixed, g, M, V, A, step, accum_steps, lr, beta1, beta2, 
 def assert_close_to_ref(actual, ref, scale, dtype, terms, what="x"):
     """|actual - ref| <= rounding of the stored result + accumulation error of `terms` opmath operations."""
     opmath_eps = 2.3e-16 if dtype == torch.float64 else 1.2e-7
-    tol = STORE_RTOL[dtype] * ref.abs() + (terms + 2) * opmath_eps * scale + 1e-30
+    tol = STORE_RTOL[dtype] * ref.abs() + STORE_ATOL[dtype] + (terms + 2) * opmath_eps * scale + 1e-30
     err = (actual.double() - ref).abs()
     bad = err > tol
     if bad.any():
