@@ -1,0 +1,254 @@
+// The exchange scheduler (see exchanger.h).
+#include "exchanger.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <ostream>
+#include <utility>
+
+namespace decent_comm::comm {
+
+namespace {
+
+// Prefix of every argument error: the call and the bucket, so a message alone says where it came from.
+// Streamed into the message only when a check fails, so a passing check formats nothing.
+struct Where {
+  const char* call;
+  int64_t bucket;
+};
+
+std::ostream& operator<<(std::ostream& os, const Where& w) {
+  return os << "decent_comm Exchanger." << w.call << "(bucket=" << w.bucket << "): ";
+}
+
+Where where(const char* call, int64_t bucket) { return Where{call, bucket}; }
+
+}  // namespace
+
+Exchanger::Exchanger(std::shared_ptr<Transport> transport, int64_t timeout_ms,
+                     std::optional<at::ScalarType> wire_dtype)
+    : transport_(std::move(transport)), wire_dtype_(wire_dtype) {
+  TORCH_CHECK_VALUE(transport_ != nullptr, "decent_comm Exchanger: transport is None");
+  timeout_ = timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : transport_->default_timeout();
+  if (wire_dtype_.has_value()) {
+    TORCH_CHECK_VALUE(at::isFloatingType(*wire_dtype_), "decent_comm Exchanger: wire_dtype must be a floating "
+                      "point dtype (e.g. torch.bfloat16), got ", *wire_dtype_);
+  }
+}
+
+Exchanger::~Exchanger() {
+  // Never wait or tear down a communicator here (a destructor may run at interpreter exit, with peers gone):
+  // in-flight slots keep their buffers alive forever (TransportSlot), the transport leaks what it must.
+  if (state_ == State::Open) {
+    for (const auto& [id, b] : buckets_) {
+      if (b.in_flight && b.has_transfer) {
+        TORCH_WARN("decent_comm Exchanger destroyed with bucket ", id, " still in flight and without shutdown(); "
+                   "its buffers are kept alive until the process exits");
+        break;
+      }
+    }
+  }
+}
+
+template <class F>
+void Exchanger::guarded(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    if (state_ == State::Open) {
+      state_ = State::Failed;
+      error_ = e.what();
+      transport_->abort();
+    }
+    throw;
+  }
+}
+
+void Exchanger::ensure_usable(const char* call) const {
+  if (state_ == State::Failed) {
+    throw ExchangeError(std::string("decent_comm Exchanger.") + call + ": the exchanger is unusable after an "
+                        "earlier error (shut it down and create a new one); the error was: " + error_);
+  }
+  TORCH_CHECK(state_ != State::Closed, "decent_comm Exchanger.", call, ": the exchanger has been shut down");
+}
+
+void Exchanger::check_peer_list(int64_t bucket, const char* what, const std::vector<int64_t>& ranks) const {
+  const int64_t world = transport_->world_size(), self = transport_->rank();
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int64_t r = ranks[i];
+    TORCH_CHECK_VALUE(r >= 0 && r < world, where("exchange", bucket), what, "[", i, "] = ", r,
+                      " is not a rank of the process group (world size ", world, ")");
+    TORCH_CHECK_VALUE(r != self, where("exchange", bucket), what, "[", i, "] = ", r,
+                      " is this rank itself; a rank does not exchange with itself");
+    // Peer lists are short (a topology's degree), so the quadratic scan is cheaper than a set.
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(ranks[j] != r, where("exchange", bucket), what, " lists rank ", r, " twice (at ", j,
+                        " and ", i, ")");
+    }
+  }
+}
+
+void Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
+                                    const std::vector<int64_t>& send_to,
+                                    const std::vector<int64_t>& recv_from) const {
+  const Where at = where("exchange", bucket);
+  TORCH_CHECK_VALUE(bucket >= 0 && bucket <= kMaxBucketId, at, "bucket ids must be in [0, ", kMaxBucketId, "]");
+  TORCH_CHECK_VALUE(recvs.size() == recv_from.size(), at, "got ", recvs.size(), " recv buffers for ",
+                    recv_from.size(), " ranks in recv_from (one buffer per rank)");
+  check_peer_list(bucket, "send_to", send_to);
+  check_peer_list(bucket, "recv_from", recv_from);
+
+  const c10::Device device = transport_->device();
+  TORCH_CHECK_VALUE(send.defined(), at, "send is undefined");
+  TORCH_CHECK_VALUE(send.device() == device, at, "send is on ", send.device(), " but this exchanger moves ",
+                    device, " buffers");
+  TORCH_CHECK_VALUE(send.is_contiguous(), at, "send must be contiguous");
+  at::ScalarType wire = send.scalar_type();
+  if (wire_dtype_.has_value() && *wire_dtype_ != wire) {
+    TORCH_CHECK_VALUE(at::isFloatingType(wire), at, "send has dtype ", wire, "; wire_dtype=", *wire_dtype_,
+                      " casts floating point buffers only");
+    wire = *wire_dtype_;
+  }
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    const at::Tensor& r = recvs[i];
+    TORCH_CHECK_VALUE(r.defined(), at, "recvs[", i, "] (from rank ", recv_from[i], ") is undefined");
+    TORCH_CHECK_VALUE(r.device() == device, at, "recvs[", i, "] (from rank ", recv_from[i], ") is on ", r.device(),
+                      " but this exchanger moves ", device, " buffers");
+    TORCH_CHECK_VALUE(r.is_contiguous(), at, "recvs[", i, "] (from rank ", recv_from[i], ") must be contiguous");
+    TORCH_CHECK_VALUE(r.scalar_type() == wire, at, "recvs[", i, "] (from rank ", recv_from[i], ") has dtype ",
+                      r.scalar_type(), " but the wire dtype is ", wire,
+                      wire_dtype_.has_value() ? " (the exchanger's wire_dtype)" : " (send's dtype)");
+    TORCH_CHECK_VALUE(r.numel() == send.numel(), at, "recvs[", i, "] (from rank ", recv_from[i], ") has ",
+                      r.numel(), " elements but send has ", send.numel());
+    // Two transfers writing the same memory (or one overwriting what is being sent) race silently.
+    TORCH_CHECK_VALUE(r.numel() == 0 || at::get_overlap_status(r, send) == at::MemOverlapStatus::No, at, "recvs[",
+                      i, "] (from rank ", recv_from[i], ") overlaps send in memory");
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(r.numel() == 0 || at::get_overlap_status(r, recvs[j]) == at::MemOverlapStatus::No, at,
+                        "recvs[", i, "] and recvs[", j, "] overlap in memory (one buffer per peer)");
+    }
+  }
+}
+
+const at::Tensor& Exchanger::wire_buffer(Bucket& b, const at::Tensor& send, bool receive_only) {
+  static const at::Tensor none;
+  if (receive_only || !wire_dtype_.has_value() || send.scalar_type() == *wire_dtype_) return none;
+  // Reallocated only when the bucket's size changes: steady-state steps reuse it.
+  if (!b.wire.defined() || b.wire.numel() != send.numel() || b.wire.device() != send.device()) {
+    b.wire = at::empty({send.numel()}, send.options().dtype(*wire_dtype_));
+  }
+  return b.wire;
+}
+
+void Exchanger::exchange(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
+                         const std::vector<int64_t>& send_to, const std::vector<int64_t>& recv_from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_usable("exchange");
+  guarded([&] { transport_->check(); });
+  check_exchange_args(bucket, send, recvs, send_to, recv_from);
+  Bucket& b = buckets_[bucket];
+  TORCH_CHECK(!b.in_flight, where("exchange", bucket), "bucket ", bucket,
+              " is still in flight; call wait(", bucket, ") before exchanging it again");
+
+  // Nothing to move (world size 1, a step without peers, an empty bucket): the bucket is still tracked so
+  // wait() pairs with every exchange() whatever the schedule.
+  b.has_transfer = (!send_to.empty() || !recv_from.empty()) && send.numel() > 0;
+  if (b.has_transfer) {
+    if (!b.slot) b.slot = transport_->make_slot();
+    const at::Tensor& wire = wire_buffer(b, send, send_to.empty());
+    const BucketOp op{bucket, send, wire, recvs, send_to, recv_from, Clock::now() + timeout_, timeout_};
+    guarded([&] { transport_->start(*b.slot, op); });
+    const int64_t wire_bytes = wire.defined() ? wire.nbytes() : send.nbytes();
+    bytes_sent_ += wire_bytes * int64_t(send_to.size());
+  }
+  b.in_flight = true;
+  b.seq = next_seq_++;
+}
+
+void Exchanger::wait_locked(Bucket& b) {
+  if (b.has_transfer) guarded([&] { transport_->wait(*b.slot); });
+  b.in_flight = false;
+}
+
+void Exchanger::wait(int64_t bucket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_usable("wait");
+  guarded([&] { transport_->check(); });
+  auto it = buckets_.find(bucket);
+  TORCH_CHECK(it != buckets_.end(), "decent_comm Exchanger.wait(bucket=", bucket, "): unknown bucket ", bucket,
+              " (it was never exchanged)");
+  Bucket& b = it->second;
+  if (b.in_flight) {
+    wait_locked(b);
+  } else if (b.has_transfer) {
+    // Already completed (an earlier wait, wait_all or synchronize): waiting again is harmless and orders
+    // the caller's current stream after the transfer once more (it may be another stream than last time).
+    guarded([&] { transport_->wait_again(*b.slot); });
+  }
+}
+
+void Exchanger::wait_all_locked() {
+  std::vector<std::pair<uint64_t, int64_t>> order;
+  for (const auto& [id, b] : buckets_) {
+    if (b.in_flight) order.emplace_back(b.seq, id);
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [seq, id] : order) wait_locked(buckets_.at(id));
+}
+
+void Exchanger::wait_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_usable("wait_all");
+  guarded([&] { transport_->check(); });
+  wait_all_locked();
+}
+
+void Exchanger::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_usable("synchronize");
+  guarded([&] { transport_->check(); });
+  wait_all_locked();
+  guarded([&] { transport_->synchronize(); });
+}
+
+void Exchanger::shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ == State::Closed) return;
+  if (state_ == State::Failed) {  // already aborted when it failed; nothing is waited for
+    state_ = State::Closed;
+    return;
+  }
+  guarded([&] {
+    transport_->check();
+    wait_all_locked();
+    transport_->synchronize();
+    transport_->shutdown();
+  });
+  state_ = State::Closed;
+}
+
+int64_t Exchanger::bytes_sent() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_sent_;
+}
+
+std::vector<int64_t> Exchanger::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, int64_t>> order;
+  for (const auto& [id, b] : buckets_) {
+    if (b.in_flight) order.emplace_back(b.seq, id);
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<int64_t> ids;
+  for (const auto& [seq, id] : order) ids.push_back(id);
+  return ids;
+}
+
+bool Exchanger::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_ == State::Closed;
+}
+
+}  // namespace decent_comm::comm

@@ -1,0 +1,85 @@
+// The interface between the exchange scheduler (exchanger.h: validation, bucket table, wire casts, error
+// state) and a transport that moves bytes (ProcessGroup/gloo on CPU, NCCL on GPU). A transport never
+// validates arguments and never decides policy; it enqueues, waits, and reports failures as
+// ExchangeError / ExchangeTimeoutError naming the bucket and the peers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "errors.h"
+
+// Hidden like pybind11's own types: this module exports none of them, and class_<T> of a more visible T
+// than pybind11 draws -Wattributes warnings.
+#pragma GCC visibility push(hidden)
+
+namespace decent_comm::comm {
+
+// Bucket ids are 0 <= id <= kMaxBucketId: the ProcessGroup transport derives a message tag from the id
+// (tags are 31-bit and also carry an exchanger channel), and every transport shares the same bound.
+constexpr int64_t kMaxBucketId = (int64_t(1) << 24) - 1;
+
+// A transport's per-bucket state (Work handles, CUDA events, the tensors kept alive while in flight).
+// Created once per bucket id and reused every step, so the steady state allocates nothing here.
+// A slot destroyed while its transfer may still touch memory keeps that memory alive forever
+// (see keep_alive_forever) rather than free it under the transport.
+struct TransportSlot {
+  virtual ~TransportSlot() = default;
+};
+
+// One bucket's exchange, already validated by the scheduler.
+struct BucketOp {
+  int64_t bucket;
+  const at::Tensor& send;  // the caller's buffer (contiguous)
+  // When defined: the persistent wire-dtype buffer `send` is cast into and which goes on the wire instead.
+  // The transport does the cast, so it is ordered after whatever wrote `send` (the CUDA comm stream casts
+  // after waiting for the compute stream).
+  const at::Tensor& wire;
+  const std::vector<at::Tensor>& recvs;  // contiguous, wire dtype, send.numel() elements each
+  const std::vector<int64_t>& send_to;
+  const std::vector<int64_t>& recv_from;
+  Clock::time_point deadline;          // past it, an unfinished transfer is a timeout
+  std::chrono::milliseconds timeout;   // for messages
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual const char* name() const = 0;  // "process_group" or "nccl"
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual c10::Device device() const = 0;
+  // Used when the caller gives no timeout (the process group's own timeout where there is one).
+  virtual std::chrono::milliseconds default_timeout() const = 0;
+
+  virtual std::unique_ptr<TransportSlot> make_slot() = 0;
+  // Enqueues the bucket's receives and sends and returns without waiting for the peers.
+  virtual void start(TransportSlot& slot, const BucketOp& op) = 0;
+  // Makes the bucket's data usable by the caller: CPU transports block until its transfers completed;
+  // the NCCL transport makes the current CUDA stream wait for it. Releases the slot's stash.
+  virtual void wait(TransportSlot& slot) = 0;
+  // wait() once more on a slot whose transfer was already waited for: the NCCL transport orders the current
+  // stream after it again (cheap, the event is complete or nearly); host-blocking transports do nothing.
+  virtual void wait_again(TransportSlot& /*slot*/) {}
+  // Host-blocking: returns once every transfer ever started has completed (wait() was called on all).
+  virtual void synchronize() = 0;
+  // Raises a failure detected asynchronously (a watchdog's timeout, a communicator's async error).
+  virtual void check() {}
+  // After a failure: stop everything without waiting for peers. Memory a transfer may still touch is kept.
+  virtual void abort() noexcept = 0;
+  // Orderly teardown once everything completed (after synchronize()).
+  virtual void shutdown() = 0;
+};
+
+// Keeps `what` alive until the process exits. Used for buffers an aborted or abandoned transfer may still
+// write into: leaking them is bounded (one step's buffers) and cannot corrupt memory.
+void keep_alive_forever(std::shared_ptr<void> what);
+
+}  // namespace decent_comm::comm
+
+#pragma GCC visibility pop
