@@ -7,7 +7,6 @@ and torch is a CUDA build, even with no GPU present; DECENT_COMM_CUDA=0|1 forces
 """
 
 import glob
-import importlib.util
 import os
 import sys
 
@@ -15,6 +14,7 @@ from setuptools import find_packages, setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_tools.cuda_home import find_cuda_home  # noqa: E402
+from build_tools.nccl import find_nccl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"  # A100, H100, and PTX for anything newer
@@ -46,25 +46,6 @@ def want_cuda():
             )
         return True
     return have
-
-
-def find_nccl():
-    """(include_dir, lib_file) of the NCCL that torch's CUDA wheel depends on (nvidia-nccl-cu*), or None.
-
-    The package is a namespace package without __init__.py and ships only libnccl.so.2 (no unversioned
-    .so), so it is located through importlib and linked by full path.
-    """
-    env_home = os.environ.get("NCCL_HOME")
-    candidates = [env_home] if env_home else []
-    spec = importlib.util.find_spec("nvidia")
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [os.path.join(p, "nccl") for p in spec.submodule_search_locations]
-    for home in candidates:
-        header = os.path.join(home, "include", "nccl.h")
-        libs = sorted(glob.glob(os.path.join(home, "lib", "libnccl.so*")))
-        if os.path.exists(header) and libs:
-            return os.path.join(home, "include"), libs[0]
-    return None
 
 
 def cxx_std_flag():
