@@ -27,8 +27,12 @@ py::object nccl_version() {
 
 }  // namespace
 
+// csrc/comm/bindings.cpp: the exchange scheduler and its transports.
+void register_comm_bindings(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "decent_comm native extension: fused gossip-mix kernels and the exchange scheduler";
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in");
   m.def("nccl_version", &nccl_version, "NCCL version compiled against, or None");
+  register_comm_bindings(m);
 }

@@ -1,0 +1,128 @@
+"""The exchange engine: moves flat buffers to and from the current step's gossip neighbours, off the Python
+thread, and says exactly when each bucket's data has arrived.
+
+    ex = Exchanger(process_group=None, device=None, *, timeout=None, wire_dtype=None, nccl_max_ctas=None)
+    ex.exchange(bucket, send, recvs, send_to, recv_from)   # enqueue; returns at once
+    ex.wait(bucket)        # CPU: block until done; CUDA: the current stream waits (no host sync);
+                           # again after completion: allowed (no-op); for a never-exchanged id: an error
+    ex.wait_all(); ex.synchronize(); ex.shutdown()         # or: with Exchanger(...) as ex: ...
+
+``exchange`` sends ``send`` to every rank of ``send_to`` and receives ``recvs[i]`` from ``recv_from[i]``
+(ranks of the process group). Every rank issues the buckets of a step in the same order. Until
+``wait(bucket)``, ``send`` must not be modified and ``recvs`` not read; a bucket id can be exchanged again
+once waited for. ``recvs[i]`` must be contiguous, on the exchanger's device, with ``send.numel()``
+elements of the wire dtype (``wire_dtype`` if given, else ``send``'s dtype).
+
+The transport: NCCL (its own non-blocking communicator, a high-priority comm stream, per-bucket events)
+when ``device`` is CUDA and the extension was built with NCCL; otherwise the process group's own
+send/recv (gloo on CPU). A transfer not complete ``timeout`` seconds after it was issued (default: the
+timeout the process group was created with) raises ``ExchangeTimeout`` naming the bucket and the peers;
+a peer that exits raises ``ExchangeError``. Either makes the exchanger unusable: every later call raises
+``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` (or ``RuntimeError`` for a
+bucket that is or is not in flight) and leave it usable.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._native import _C
+
+__all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
+
+#: A transfer failed (a peer exited, a transport error); a RuntimeError.
+ExchangeError = _C.ExchangeError
+#: A transfer did not complete within the timeout; an ExchangeError and a TimeoutError.
+ExchangeTimeout = _C.ExchangeTimeout
+
+
+def nccl_available() -> bool:
+    """True when this build of the extension has the NCCL transport."""
+    return hasattr(_C, "_nccl_transport")
+
+
+def _timeout_ms(timeout) -> int:
+    """timeout (seconds, or a timedelta) in ms; -1 (the transport's default) for None."""
+    if timeout is None:
+        return -1
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"Exchanger: timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
+    return max(1, round(seconds * 1000))
+
+
+def _resolve_device(device, group) -> torch.device:
+    if device is None:
+        if "nccl" in str(dist.get_backend(group)):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _nccl_transport(group, device, timeout_ms, max_ctas):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if timeout_ms <= 0:
+        timeout_ms = _C._process_group_timeout_ms(group, device)
+    # Rank 0 of the group creates the communicator's id; the group itself carries it to the others (on CPU
+    # unless the group can only move CUDA tensors).
+    uid = torch.empty(128, dtype=torch.uint8)
+    if rank == 0:
+        uid.copy_(torch.frombuffer(bytearray(_C._nccl_unique_id()), dtype=torch.uint8))
+    if world_size > 1:
+        on = device if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
+        shared = uid.to(on)
+        dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
+        uid = shared.cpu()
+    return _C._nccl_transport(bytes(uid.tolist()), rank, world_size, device.index, timeout_ms, max_ctas or 0)
+
+
+class Exchanger(_C._Exchanger):
+    """See the module docstring. Methods (C++): exchange, wait, wait_all, synchronize, shutdown.
+    Properties: rank, world_size, transport ('nccl' | 'process_group'), device, timeout (s), wire_dtype,
+    bytes_sent (bytes put on the wire so far), in_flight (bucket ids, issue order), closed.
+
+    process_group: default the default group. device: default the current CUDA device when the group's
+    backend is NCCL, else CPU. timeout: seconds or timedelta. wire_dtype: e.g. torch.bfloat16 sends
+    floating buffers in that dtype (recvs must have it). nccl_max_ctas: cap on the CTAs (SMs) NCCL may use
+    (NCCL transport only; ignored otherwise). Creating one is collective over the group.
+    """
+
+    def __init__(self, process_group=None, device=None, *, timeout=None, wire_dtype: Optional[torch.dtype] = None,
+                 nccl_max_ctas: Optional[int] = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Exchanger: torch.distributed is not initialized (call dist.init_process_group)")
+        group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        device = _resolve_device(device, group)
+        timeout_ms = _timeout_ms(timeout)
+        if nccl_max_ctas is not None and (isinstance(nccl_max_ctas, bool) or int(nccl_max_ctas) < 1):
+            raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
+        if device.type == "cuda" and nccl_available():
+            transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
+        else:
+            transport = _C._process_group_transport(group, device)
+        super().__init__(transport, timeout_ms, wire_dtype)
+        self.process_group = group
+
+    def __enter__(self) -> "Exchanger":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.shutdown()
+        else:
+            try:  # leaving on an exception: release what we can, and never mask that exception
+                self.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Exchanger(transport={self.transport!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device}, timeout={self.timeout}s, wire_dtype={self.wire_dtype}, "
+                f"in_flight={self.in_flight}, closed={self.closed})")
