@@ -5,11 +5,16 @@
 Each child gets OMP_NUM_THREADS=1 / torch.set_num_threads(1), calls fn(rank, world_size, *args) with the
 default group initialized, and sends back its return value. A child's exception is re-raised in the
 parent with the child's traceback; on timeout every child is killed and the parent raises.
+
+The group is rendezvoused through a TCPStore the parent serves on a port the OS picks, so concurrent test
+runs on one machine never race for a port. A child that must die mid-test (to test what its peers do)
+calls exit_now(result): it reports `result` and vanishes without any teardown, like a crashed process.
 """
 
+import contextlib
+import datetime
 import io
 import os
-import socket
 import time
 import traceback
 
@@ -17,24 +22,39 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Set in each child, for exit_now().
+_child_state = {}
 
 
-def _child(rank, world_size, port, fn, args, queue, env):
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+def _report(queue, rank, ok, value):
+    if ok:
         # Serialized to bytes: tensors put on a multiprocessing queue travel as shared-memory handles that
         # die with this process.
         buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, True, buf.getvalue()))
+        torch.save(value, buf)
+        value = buf.getvalue()
+    queue.put((rank, ok, value))
+
+
+def exit_now(result=None):
+    """In a child: report `result` as this rank's return value, then exit at once (no teardown at all)."""
+    queue, rank = _child_state["queue"], _child_state["rank"]
+    _report(queue, rank, True, result)
+    queue.close()
+    queue.join_thread()  # flush the queue's feeder thread before the process vanishes
+    os._exit(0)
+
+
+def _child(rank, world_size, store_port, pg_timeout, fn, args, queue, env):
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    _child_state.update(queue=queue, rank=rank)
+    try:
+        kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **kwargs)
+        _report(queue, rank, True, fn(rank, world_size, *args))
     except BaseException:  # noqa: B902 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -43,26 +63,53 @@ def _child(rank, world_size, port, fn, args, queue, env):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, timeout=120, env=None, allow_failures=False):
+@contextlib.contextmanager
+def _environ(overrides):
+    """os.environ with `overrides` while the children start: spawn copies the parent's environment, so they
+    see it before anything (OpenMP included) initializes."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_ranks(fn, world_size, *args, timeout=120, env=None, allow_failures=False, pg_timeout=None):
     """Returns [result of rank 0, ..., result of rank n-1]. With allow_failures, a failed rank's entry is
-    the traceback text (a str) wrapped as ChildError instead of raising."""
+    the traceback text (a str) wrapped as ChildError instead of raising.
+
+    fn must be a module-level function (children import it by name). env: extra environment variables of
+    the children. pg_timeout: the process group's timeout in seconds (None: torch's default).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
     child_env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                  **(env or {})}
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, child_env), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, pg_timeout, fn, args, queue, child_env),
+                         daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _environ(child_env):
+        for p in procs:
+            p.start()
     results = {}
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                for p in procs:  # kill first: a hung child would make every join below wait its timeout
+                    p.kill()
+                failed = "".join(f"\nrank {r} failed:\n{v.text}" for r, v in sorted(results.items())
+                                 if isinstance(v, ChildError))
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within "
-                                   f"{timeout} s")
+                                   f"{timeout} s (killed){failed}")
             try:
                 rank, ok, value = queue.get(timeout=min(remaining, 1.0))
             except Exception:  # queue.Empty
@@ -79,9 +126,11 @@ def run_ranks(fn, world_size, *args, timeout=120, env=None, allow_failures=False
             results[rank] = torch.load(io.BytesIO(value), weights_only=False) if ok else ChildError(rank, value)
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, min(5.0, deadline + 5.0 - time.monotonic())))
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+        queue.close()
     errors = [v for v in results.values() if isinstance(v, ChildError)]
     if errors and not allow_failures:
         raise AssertionError("\n".join(f"rank {e.rank} failed:\n{e.text}" for e in errors))
