@@ -34,11 +34,14 @@ build: $(STAMP)
 test: build
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
+# 4 local CPU ranks: all-reduce vs DAdamW (one-peer-exp) vs AccumAdamW (aer, 2 emulated nodes); table + plot.
 demo: build
-	$(VPY) bench/mix_kernels.py --quick
+	$(VPY) bench/demo.py
 
 bench: build
 	$(VPY) bench/mix_kernels.py
+	$(VPY) bench/step.py
+	$(VPY) bench/exchange.py
 
 # The CMake build of the same extension (CPU kernels; add -DDECENT_COMM_CUDA=ON for CUDA).
 # A CUDA build of torch needs its toolkit found even for a CPU-only extension (Caffe2Config checks it),

@@ -1,0 +1,108 @@
+"""Smoke tests of the training examples: a few steps each with 2 ranks launched by torchrun (the way users
+run them), the logs/plot/checkpoints they write, and that a resumed train_lm run continues exactly where
+the interrupted one was."""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import common  # noqa: E402
+
+# Tiny model and data: the tests check plumbing, not learning.
+LM_TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+           "--corpus-mb", "0.3", "--eval-tokens", "1024", "--no-progress"]
+
+
+def torchrun(script, args, nproc=2, timeout=120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           os.path.join(ROOT, "examples", script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.json")) as f:
+        return json.load(f)
+
+
+def test_flag_parsing():
+    assert common.optimizer_name("DAdamW") == "dadamw"
+    assert common.optimizer_name("decentralized-adamw") == "decentralized-adamw"
+    assert common.optimizer_name("allreduce-sgd") == "allreduce-sgd"
+    for bad in ("adamw", "decentralized-nope", "allreduce-"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.optimizer_name(bad)
+    assert common.consensus_value("adaptive") == "adaptive"
+    assert common.consensus_value("0.5") == 0.5
+    with pytest.raises(argparse.ArgumentTypeError):
+        common.consensus_value("1.5")
+    assert common.optimizer_family("dsgd") == "sgd" and common.optimizer_family("allreduce") == "adam"
+
+
+def test_lr_schedules():
+    import torch
+    for kind, first, last in (("constant", 1.0, 1.0), ("cosine", 1.0, 0.1), ("warmup-cosine", 0.25, 0.1)):
+        args = argparse.Namespace(steps=20, warmup=4 if kind == "warmup-cosine" else 0, min_lr_ratio=0.1, lr_schedule=kind)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = common.make_lr_scheduler(opt, args)
+        lrs = []
+        for _ in range(20):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert lrs[0] == pytest.approx(first)
+        assert opt.param_groups[0]["lr"] == pytest.approx(last)
+
+
+def test_train_lm_decentralized_logs_and_resume(tmp_path):
+    """6 steps of DAdamW with checkpoints at steps 3 and 6, then a second job resumed from step 3: it must
+    reproduce steps 4-6 of the first exactly (same replicas, optimizer state, data streams, gossip phase)."""
+    out, ck = str(tmp_path / "run"), str(tmp_path / "ck")
+    flags = ["--optimizer", "dadamw", "--steps", "6", "--eval-every", "3", "--log-every", "1", *LM_TINY]
+    torchrun("train_lm.py", [*flags, "--out", out, "--checkpoint", ck, "--checkpoint-every", "3"])
+    full = read_log(out)
+    assert full["summary"]["steps"] == 6 and full["config"]["world_size"] == 2
+    assert [r["step"] for r in full["rows"]] == [1, 2, 3, 4, 5, 6]
+    evals = [r for r in full["rows"] if "val_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(math.isfinite(r["val_loss"]) and r["consensus_distance"] >= 0 for r in evals)
+    for name in ("log.csv", "log.json", "loss.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    for step in ("step_0000003", "step_0000006"):
+        assert sorted(os.listdir(os.path.join(ck, step))) == ["rank0.pt", "rank1.pt"]
+    assert open(os.path.join(ck, "latest")).read() == "step_0000006"
+
+    resumed_out = str(tmp_path / "resumed")
+    torchrun("train_lm.py", [*flags, "--out", resumed_out, "--resume", os.path.join(ck, "step_0000003")])
+    resumed = read_log(resumed_out)
+    key = ("step", "train_loss", "val_loss", "consensus_distance")
+    assert [[r.get(k) for k in key] for r in resumed["rows"]] == [[r.get(k) for k in key] for r in full["rows"]]
+
+
+def test_train_lm_allreduce(tmp_path):
+    out = str(tmp_path / "run")
+    torchrun("train_lm.py", ["--optimizer", "allreduce", "--steps", "4", "--eval-every", "2", "--bf16-wire",
+                             "--out", out, *LM_TINY])
+    s = read_log(out)["summary"]
+    assert s["topology"] == "allreduce" and s["final_consensus_distance"] == 0.0
+    assert math.isfinite(s["final_val_loss"]) and s["tokens_per_s"] > 0
+
+
+def test_train_classifier_wrapper_atc(tmp_path):
+    pytest.importorskip("sklearn")
+    out = str(tmp_path / "run")
+    torchrun("train_classifier.py", ["--optimizer", "decentralized-adamw", "--mode", "atc", "--topology", "ring",
+                                     "--consensus", "adaptive", "--bf16-wire", "--steps", "6", "--eval-every", "3",
+                                     "--width", "4", "--no-progress", "--out", out])
+    log = read_log(out)
+    assert 0.0 <= log["summary"]["final_val_acc"] <= 1.0
+    assert log["summary"]["topology"] == "ring"
