@@ -17,7 +17,7 @@ if ! DECENT_COMM_CUDA=1 "$PY" setup.py -q build_ext --inplace > "$OUT_DIR/gpu_bu
   tail -50 "$OUT_DIR/gpu_build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "== CUDA tests"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py $(ls tests/test_exchange.py 2>/dev/null) \
+"$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_optim_local.py tests/test_exchange.py \
   -k "cuda or nccl or registered or compile or opcheck" 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -ne 0 ] && status=1
