@@ -14,7 +14,8 @@ from decent_comm.runtime_model import (ClusterConfig, ComputeTime, UnitError, Wo
                                        parse_duration, parse_size, plan, predict, simulate, simulate_allreduce)
 from decent_comm.runtime_model.closed_form import make_topology
 from decent_comm.runtime_model.gossip import schedule_comm
-from decent_comm.runtime_model.loads import schedule_links, step_groups
+from decent_comm.runtime_model.loads import schedule_links
+from decent_comm.topology import averaging_groups as step_groups
 from decent_comm.runtime_model.simulator import _processor_sharing
 
 GBIT = 1e9 / 8

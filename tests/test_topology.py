@@ -267,6 +267,41 @@ def test_aer_matches_reference_and_is_exact(N, L):
     assert T.finite_time_exact(topo)
 
 
+@pytest.mark.parametrize("N,L", [(2, 1), (2, 3), (4, 2), (8, 4), (16, 2)])
+def test_aer_pair_averages_whole_node_pairs_in_groups(N, L):
+    """inter="pair": the inter-node step averages all 2L ranks of a node pair (Kronecker reference), and every
+    step is uniform averaging within groups (nodes or node pairs) that averaging_groups reports."""
+    topo = T.make("aer", N * L, local_world_size=L, inter="pair")
+    assert topo.period == 2 * int(math.log2(N)) and topo.name == "aer-pair"
+    for t in range(topo.period):
+        ref = aer_reference(N, L, t)
+        # the counterpart schedule's inter block J_2 (x) I_L becomes J_2 (x) J_L
+        W = np.zeros_like(ref)
+        groups = []
+        for u in range(N):
+            inter = topo.uses_inter(u, t)
+            v = topo.node_partner(u, t) if inter else u
+            members = sorted(set(range(u * L, u * L + L)) | set(range(v * L, v * L + L)))
+            W[np.ix_(range(u * L, u * L + L), members)] = 1.0 / len(members)
+            groups.append(tuple(members))
+        np.testing.assert_allclose(topo.matrix(t), W)
+        # the same node pairing and phases as the default (counterpart) schedule
+        np.testing.assert_array_equal((ref > 0) & (W > 0), ref > 0)
+        assert T.averaging_groups(topo, t) == sorted(set(groups))
+    assert T.finite_time_exact(topo)
+
+
+def test_averaging_groups_of_builtins():
+    assert T.averaging_groups(T.make("complete", 5), 0) == [tuple(range(5))]
+    assert T.averaging_groups(T.make("local", 3), 0) == [(0,), (1,), (2,)]  # W = I: singletons
+    assert T.averaging_groups(T.make("ring", 3), 0) == [(0, 1, 2)]  # 1/3 each: J_3
+    assert T.averaging_groups(T.make("ring", 5), 0) is None
+    assert T.averaging_groups(T.make("one-peer-exp", 8), 0) is None  # a shift, not pairs
+    assert T.averaging_groups(T.make("one-peer-ring", 4), 0) == [(0, 1), (2, 3)]
+    with pytest.raises(ValueError, match="inter must be one of"):
+        T.make("aer", 8, local_world_size=2, inter="all")
+
+
 @pytest.mark.parametrize("N,L", [(2, 2), (4, 2), (4, 4), (8, 3), (16, 2)])
 def test_aer_traffic_only_in_advertised_steps(N, L):
     topo = T.make("aer", N * L, local_world_size=L)

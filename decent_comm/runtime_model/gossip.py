@@ -74,7 +74,8 @@ import math
 
 import numpy as np
 
-from .loads import schedule_links, step_groups
+from ..topology.analysis import averaging_groups
+from .loads import schedule_links
 from .stragglers import expected_max_normal
 
 #: Fitted constants of the straggler penalty ``g`` (see the module docstring).
@@ -166,12 +167,12 @@ def throughput_bound(mu: float, steps: list) -> float:
 
 
 def workload_step_groups(workload, topology, step):
-    """``loads.step_groups`` when ``workload.exchange == "group-allreduce"`` (cached), else ``None``."""
+    """``topology.averaging_groups`` when ``workload.exchange == "group-allreduce"`` (cached), else ``None``."""
     if workload.exchange != "group-allreduce":
         return None
     cache = topology.__dict__.setdefault("_runtime_model_groups", {})
     if step not in cache:
-        cache[step] = step_groups(topology, step)
+        cache[step] = averaging_groups(topology, step)
     return cache[step]
 
 

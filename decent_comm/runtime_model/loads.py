@@ -72,28 +72,3 @@ def schedule_links(topology) -> list:
         cache = [step_links(topology, t) for t in range(topology.period)]
         topology.__dict__["_runtime_model_links"] = cache
     return cache
-
-
-def step_groups(topology, step: int, tol: float = 1e-9):
-    """Averaging groups of a step, or ``None`` when ``W(step)`` is not block-uniform.
-
-    Block-uniform: the ranks split into groups ``g`` and every rank of ``g``
-    takes exactly ``1/|g|`` of every member of ``g`` (itself included), e.g.
-    intra-node averaging or the node-pair averaging of the seed library's
-    alternating exponential ring.  Such a step can be run as one all-reduce
-    per group (``Workload.exchange = "group-allreduce"``).  Returns sorted
-    tuples of ranks (singletons included).
-    """
-    n = topology.world_size
-    members = []
-    for i in range(n):
-        p = topology.peers(i, step)
-        g = tuple(sorted([i] + [j for j, _ in p.recv]))
-        w = 1.0 / len(g)
-        if abs(p.self_weight - w) > tol or any(abs(x - w) > tol for _, x in p.recv):
-            return None
-        members.append(g)
-    for i, g in enumerate(members):
-        if any(members[j] != g for j in g):
-            return None
-    return sorted(set(members))

@@ -14,7 +14,7 @@ optimizer and scheduler consume that.
 * Analysis: ``spectral_gap``, ``finite_time_exact``, ``period_product``,
   ``comm_cost``.
 """
-from .analysis import SpectralGap, finite_time_exact, period_product, spectral_gap
+from .analysis import SpectralGap, averaging_groups, finite_time_exact, period_product, spectral_gap
 from .base import Peers, Topology
 from .consensus import ConsensusTopology, with_consensus
 from .cost import CommCost, StepCost, comm_cost
@@ -26,6 +26,6 @@ __all__ = [
     "Topology", "Peers", "make", "NAMES", "canonical_name",
     "from_matrix", "from_networkx", "metropolis_hastings", "MatrixTopology",
     "with_consensus", "ConsensusTopology", "check_matrix",
-    "spectral_gap", "SpectralGap", "finite_time_exact", "period_product",
+    "spectral_gap", "SpectralGap", "finite_time_exact", "period_product", "averaging_groups",
     "comm_cost", "CommCost", "StepCost",
 ]

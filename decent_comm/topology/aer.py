@@ -23,8 +23,15 @@ Schedule (period ``2 d``; one node: ``N = 1`` degrades to ``complete``):
   pairs use the inter-node links while the other half average inside nodes.
 * Intra-node: every rank of the node takes ``1/L`` of each of the ``L``
   ranks of its node (``11^T / L`` on the node block; nothing when L = 1).
-* Inter-node: rank ``(u, l)`` averages with its counterpart ``(v, l)``,
-  weight 1/2 each, so every rank sends exactly one buffer over the network.
+* Inter-node, ``inter="counterpart"`` (default): rank ``(u, l)`` averages
+  with its counterpart ``(v, l)``, weight 1/2 each, so every rank sends
+  exactly one buffer over the network (L buffers per node).
+* Inter-node, ``inter="pair"``: all ``2L`` ranks of the node pair average
+  together (``11^T / 2L`` on the pair's block), the seed library's (Decent-DP)
+  schedule.  Every step is then uniform averaging within groups (nodes or node
+  pairs), which the optimizers run as one all-reduce per group
+  (``averaging_groups``): about two buffers cross each NIC per inter-node step
+  whatever L, instead of L point to point.
 
 Every ``W(t)`` is symmetric, hence doubly stochastic.  **Exact average after
 one period** (any L >= 1, N a power of two): on the ``2L`` ranks of a pair the
@@ -43,9 +50,14 @@ from .validation import check_world_size, divisors
 class AlternatingExponentialRing(Topology):
     """See the module docstring for the exact schedule."""
 
-    def __init__(self, world_size: int, local_world_size: int | None = None):
+    INTER = ("counterpart", "pair")
+
+    def __init__(self, world_size: int, local_world_size: int | None = None, inter: str = "counterpart"):
         n = check_world_size(world_size)
-        super().__init__(n, local_world_size=local_world_size, name="aer")
+        if inter not in self.INTER:
+            raise ValueError(f"aer: inter must be one of {self.INTER}, got {inter!r}")
+        super().__init__(n, local_world_size=local_world_size, name="aer" if inter == "counterpart" else "aer-pair")
+        self.inter = inter
         L = self.local_world_size
         N = n // L
         if N & (N - 1):
@@ -85,7 +97,12 @@ class AlternatingExponentialRing(Topology):
         L = self.local_world_size
         u, l = divmod(rank, L)
         if self.uses_inter(u, step):
-            j = self.node_partner(u, step) * L + l
+            v = self.node_partner(u, step)
+            if self.inter == "pair":
+                w = 1.0 / (2 * L)
+                group = [m for node in sorted((u, v)) for m in range(node * L, (node + 1) * L) if m != rank]
+                return Peers(w, [(j, w) for j in group], group)
+            j = v * L + l
             return Peers(0.5, [(j, 0.5)], [j])
         w = 1.0 / L
         local = [u * L + m for m in range(L) if m != l]

@@ -67,3 +67,30 @@ def finite_time_exact(topology: Topology, tol: float = 1e-9) -> bool:
     """True when the product over one period equals ``11^T / n`` (max abs error ``<= tol``)."""
     n = topology.world_size
     return bool(np.abs(period_product(topology) - 1.0 / n).max() <= tol)
+
+
+def averaging_groups(topology: Topology, step: int, tol: float = 1e-9):
+    """Averaging groups of a step, or ``None`` when ``W(step)`` is not block-uniform.
+
+    Block-uniform: the ranks split into groups ``g`` and every rank of ``g``
+    takes exactly ``1/|g|`` of every member of ``g`` (itself included), e.g.
+    intra-node averaging or the node-pair averaging of the seed library's
+    alternating exponential ring.  Such a step can be run as one all-reduce
+    per group instead of point-to-point messages (the optimizers do, see
+    ``decent_comm.optim.gossip``; the runtime model with
+    ``Workload.exchange = "group-allreduce"``).  Returns sorted tuples of
+    ranks (singletons included).  Cost O(n * degree).
+    """
+    n = topology.world_size
+    members = []
+    for i in range(n):
+        p = topology.peers(i, step)
+        g = tuple(sorted([i] + [j for j, _ in p.recv]))
+        w = 1.0 / len(g)
+        if abs(p.self_weight - w) > tol or any(abs(x - w) > tol for _, x in p.recv):
+            return None
+        members.append(g)
+    for i, g in enumerate(members):
+        if any(members[j] != g for j in g):
+            return None
+    return sorted(set(members))

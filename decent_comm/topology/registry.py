@@ -15,7 +15,7 @@ _BUILTINS = {
     "one-peer-ring": (OnePeerRing, ()),
     "exp": (Exponential, ()),
     "one-peer-exp": (OnePeerExponential, ()),
-    "aer": (AlternatingExponentialRing, ()),
+    "aer": (AlternatingExponentialRing, ("inter",)),
     "torus": (Torus, ()),
     "base-k": (BaseGraph, ("k", "simple")),
     "local": (Local, ()),
