@@ -128,6 +128,8 @@ class NcclTransport final : public Transport {
   void raise_if_failed_locked() const;
   void poll_locked();
   void push_progress_locked(const BucketOp& op);
+  // Raises a pending failure, else makes the caller's current stream wait for the slot's transfer.
+  void order_current_stream_after_locked(const NcclSlot& slot);
   void abort_comm_locked() noexcept;
   void watchdog_loop();
   void stop_watchdog() noexcept;
@@ -161,7 +163,8 @@ NcclTransport::NcclTransport(const std::string& unique_id, int rank, int world_s
                     NCCL_UNIQUE_ID_BYTES, " bytes, got ", unique_id.size());
   TORCH_CHECK_VALUE(world_size >= 1 && rank >= 0 && rank < world_size, "decent_comm NCCL transport: rank ", rank,
                     " is not in [0, world_size=", world_size, ")");
-  TORCH_CHECK_VALUE(max_ctas >= 0, "decent_comm NCCL transport: nccl_max_ctas must be >= 1, got ", max_ctas);
+  TORCH_CHECK_VALUE(max_ctas >= 0, "decent_comm NCCL transport: nccl_max_ctas must be >= 1 (0: NCCL's default), got ",
+                    max_ctas);
   const c10::cuda::CUDAGuard guard{device_index()};
   std::lock_guard<std::mutex> lock(mu_);
   try {
@@ -373,14 +376,18 @@ void NcclTransport::raise_if_failed_locked() const {
   throw ExchangeError(error_);
 }
 
-void NcclTransport::wait(TransportSlot& base) {
-  auto& slot = static_cast<NcclSlot&>(base);
-  std::lock_guard<std::mutex> lock(mu_);
+void NcclTransport::order_current_stream_after_locked(const NcclSlot& slot) {
   poll_locked();
   raise_if_failed_locked();
   const c10::cuda::CUDAGuard guard{device_index()};
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index()).stream();
   cuda_check(cudaStreamWaitEvent(caller, slot.done, 0), "cudaStreamWaitEvent of the current stream on a bucket");
+}
+
+void NcclTransport::wait(TransportSlot& base) {
+  auto& slot = static_cast<NcclSlot&>(base);
+  std::lock_guard<std::mutex> lock(mu_);
+  order_current_stream_after_locked(slot);
   // The caller's stream is now ordered after the transfer: memory freed from here on is only reused by
   // work that runs after it.
   slot.send = at::Tensor();
@@ -389,13 +396,8 @@ void NcclTransport::wait(TransportSlot& base) {
 }
 
 void NcclTransport::wait_again(TransportSlot& base) {
-  auto& slot = static_cast<NcclSlot&>(base);
   std::lock_guard<std::mutex> lock(mu_);
-  poll_locked();
-  raise_if_failed_locked();
-  const c10::cuda::CUDAGuard guard{device_index()};
-  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index()).stream();
-  cuda_check(cudaStreamWaitEvent(caller, slot.done, 0), "cudaStreamWaitEvent of the current stream on a bucket");
+  order_current_stream_after_locked(static_cast<NcclSlot&>(base));
 }
 
 void NcclTransport::synchronize() {
