@@ -20,7 +20,7 @@ from decent_comm.runtime_model.simulator import _processor_sharing
 
 GBIT = 1e9 / 8
 STATIC = ["ring", "exp", "torus", "complete"]
-TOPOS = ["one-peer-exp", "exp", "ring", "aer", "base-k", "torus", "complete"]
+TOPOS = ["one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete"]
 
 
 def cluster(nodes=4, L=4, inter=25 * GBIT, intra=600 * GBIT, lat_e=10e-6, lat_a=3e-6, **kw):
@@ -201,7 +201,7 @@ def test_link_loads_agree_with_comm_cost(name):
 
 def test_aer_loads_each_nic_every_other_step():
     c = cluster()
-    steps = schedule_comm(c, work(), make_topology("aer", 16, 4))
+    steps = schedule_comm(c, work(exchange="p2p"), make_topology("aer", 16, 4))  # intra steps point to point
     D = np.stack([s.rank_seconds for s in steps])
     inter = 4 * 260e6 / c.inter_bandwidth + c.inter_latency
     assert np.allclose(D.max(axis=1), inter)        # some node uses its NIC at every step...
@@ -333,7 +333,12 @@ def test_group_allreduce_exchange():
     assert p.step_seconds == pytest.approx((max(0.01, intra) + max(0.01, inter)) / 2)
     assert simulate(c, w, topo, steps=40, warmup=4).step_seconds == pytest.approx(p.step_seconds, rel=1e-6)
     # the same matrices point to point: every rank receives 7 buffers at the pair step
-    assert predict(c, work(mu=0.01), topo).step_seconds > 2 * p.step_seconds
+    assert predict(c, work(mu=0.01, exchange="p2p"), topo).step_seconds > 2 * p.step_seconds
+    # "auto" (the default, what the optimizers do) runs these groups of 4 and 8 as all-reduces
+    assert predict(c, work(mu=0.01), topo).step_seconds == p.step_seconds
+    # ... but not the pairs of one-peer-ring (groups of 2 stay point to point)
+    ring = make_topology("one-peer-ring", 8, 4)
+    assert predict(c, work(mu=0.01), ring).step_seconds == predict(c, work(mu=0.01, exchange="p2p"), ring).step_seconds
 
 
 def test_simulator_is_fast_enough():

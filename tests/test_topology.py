@@ -70,7 +70,7 @@ def check_schedule(topo):
 @st.composite
 def builtins(draw):
     name = draw(st.sampled_from(T.NAMES))
-    if name == "aer":
+    if name in ("aer", "aer-pair"):
         L = draw(st.integers(1, 8))
         n = L * 2 ** draw(st.integers(0, 3))
         return T.make(name, n, local_world_size=L)
@@ -82,7 +82,7 @@ def builtins(draw):
 
 def promised_exact(topo):
     n = topo.world_size
-    return (n == 1 or topo.name in ("complete", "base-k", "aer")
+    return (n == 1 or topo.name in ("complete", "base-k", "aer", "aer-pair")
             or (topo.name == "one-peer-exp" and is_pow2(n)))
 
 
@@ -169,8 +169,9 @@ def test_aliases_and_names():
     assert T.make("one_peer_exp", 8).name == "one-peer-exp"
     assert T.make("One-Peer_Ring", 8).name == "one-peer-ring"
     assert T.make("BASE_K", 8, k=2).name == "base-k"
-    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "aer",
+    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "aer", "aer-pair",
                             "torus", "base-k", "local"}
+    assert T.make("aer_pair", 8, local_world_size=2).inter == "pair"
 
 
 def test_local_world_size_from_env(monkeypatch):

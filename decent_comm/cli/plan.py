@@ -101,9 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backward-fraction", type=_fraction, default=2 / 3, help="backward share of compute (2/3)")
     g.add_argument("--mode", choices=MODES, default="awc",
                    help="awc: exchange overlaps forward+backward (default); atc: forward only")
-    g.add_argument("--exchange", choices=EXCHANGES, default="p2p",
-                   help="p2p: each rank sends its buffer to each peer (decent_comm, default); group-allreduce:"
-                        " steps that average uniformly over groups run one all-reduce per group (Decent-DP)")
+    g.add_argument("--exchange", choices=EXCHANGES, default="auto",
+                   help="auto (default, what decent_comm's optimizers do): steps that average uniformly over groups"
+                        " of >= 3 ranks run one all-reduce per group, the others point to point; p2p: each rank"
+                        " sends its buffer to each peer; group-allreduce: every uniform-group step as all-reduces"
+                        " (Decent-DP)")
     g.add_argument("--bucket-size", type=_typed(units.parse_size), default=float(DDP_BUCKET_BYTES),
                    help="all-reduce bucket size (default 25MiB, as PyTorch DDP)")
     g = p.add_argument_group("planning")

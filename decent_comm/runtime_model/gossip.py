@@ -77,6 +77,7 @@ import numpy as np
 from ..topology.analysis import averaging_groups
 from .loads import schedule_links
 from .stragglers import expected_max_normal
+from .workload import AUTO_MIN_GROUP
 
 #: Fitted constants of the straggler penalty ``g`` (see the module docstring).
 G_C0, G_C1, G_S0, G_P, G_W = 0.376, 0.382, 1.6, 1.5, 0.75
@@ -167,13 +168,18 @@ def throughput_bound(mu: float, steps: list) -> float:
 
 
 def workload_step_groups(workload, topology, step):
-    """``topology.averaging_groups`` when ``workload.exchange == "group-allreduce"`` (cached), else ``None``."""
-    if workload.exchange != "group-allreduce":
+    """The step's averaging groups when it runs as group all-reduces under ``workload.exchange``, else ``None``
+    (point to point): "group-allreduce" whenever the step is uniform averaging over groups, "auto" only when
+    one of its groups has at least ``AUTO_MIN_GROUP`` ranks (as the optimizers decide), "p2p" never."""
+    if workload.exchange == "p2p":
         return None
     cache = topology.__dict__.setdefault("_runtime_model_groups", {})
     if step not in cache:
         cache[step] = averaging_groups(topology, step)
-    return cache[step]
+    groups = cache[step]
+    if groups is not None and workload.exchange == "auto" and max(len(g) for g in groups) < AUTO_MIN_GROUP:
+        return None
+    return groups
 
 
 def schedule_comm(cluster, workload, topology) -> list:

@@ -27,7 +27,7 @@ from .closed_form import Prediction, make_topology, predict_allreduce, predict_g
 from .loads import schedule_links
 from .simulator import SimResult, simulate, simulate_allreduce
 
-DEFAULT_TOPOLOGIES = ("one-peer-exp", "exp", "ring", "aer", "base-k", "torus", "complete")
+DEFAULT_TOPOLOGIES = ("one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete")
 GAP_THRESHOLD = 0.1
 #: spectral gaps are dense n x n linear algebra: skipped above this world size
 MAX_GAP_WORLD_SIZE = 1024
@@ -83,10 +83,10 @@ class Plan:
 
 
 def default_topologies(cluster) -> list:
-    """``DEFAULT_TOPOLOGIES``, without aer unless ``nodes`` is a power of two >= 2."""
+    """``DEFAULT_TOPOLOGIES``, without aer / aer-pair unless ``nodes`` is a power of two >= 2."""
     N = cluster.nodes
     aer_ok = N >= 2 and N & (N - 1) == 0
-    return [t for t in DEFAULT_TOPOLOGIES if t != "aer" or aer_ok]
+    return [t for t in DEFAULT_TOPOLOGIES if not t.startswith("aer") or aer_ok]
 
 
 @functools.lru_cache(maxsize=256)

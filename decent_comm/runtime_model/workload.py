@@ -13,11 +13,12 @@ fp32, 2 for bf16/fp16) is the buffer ``B`` every rank exchanges per step
 (communication overlaps forward + backward) or ``"atc"`` (forward only);
 ``bucket_bytes`` is the all-reduce bucket size (PyTorch DDP's default
 ``bucket_cap_mb = 25``, i.e. 25 MiB).  ``exchange`` says how a gossip step
-moves bytes: ``"p2p"`` (default; every rank sends its buffer to each
-out-neighbour, as ``decent_comm``'s exchange scheduler does) or
-``"group-allreduce"`` (steps whose mixing matrix is uniform averaging over
-groups run one all-reduce per group, as the seed library Decent-DP does;
-other steps stay point-to-point).
+moves bytes: ``"auto"`` (default; what decent_comm's optimizers do: a step
+whose mixing matrix is uniform averaging over groups, one of them of at least
+three ranks, runs one all-reduce per group, any other step point to point),
+``"p2p"`` (every rank sends its buffer to each out-neighbour) or
+``"group-allreduce"`` (every step that is uniform averaging over groups runs
+one all-reduce per group, as the seed library Decent-DP does).
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ import numpy as np
 from .stragglers import expected_max_normal, expected_max_sample
 
 MODES = ("awc", "atc")
-EXCHANGES = ("p2p", "group-allreduce")
+EXCHANGES = ("auto", "p2p", "group-allreduce")
+#: With exchange="auto", a step runs as group all-reduces when one of its groups has this many ranks
+#: (decent_comm.optim.groups.MIN_GROUP: what the optimizers do).
+AUTO_MIN_GROUP = 3
 WIRE_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2, "half": 2, "fp8": 1, "int8": 1, "fp64": 8, "float64": 8}
 DDP_BUCKET_BYTES = 25 * 2 ** 20
@@ -101,7 +105,7 @@ class Workload:
     bytes_per_param: int = 4
     mode: str = "awc"
     bucket_bytes: float = DDP_BUCKET_BYTES
-    exchange: str = "p2p"
+    exchange: str = "auto"
 
     def __post_init__(self):
         if not (math.isfinite(self.params) and self.params >= 0):

@@ -1,6 +1,8 @@
 """``make(name, world_size, ...)``: the built-in topologies by name."""
 from __future__ import annotations
 
+import functools
+
 from .aer import AlternatingExponentialRing
 from .base import Topology
 from .base_k import BaseGraph
@@ -16,6 +18,8 @@ _BUILTINS = {
     "exp": (Exponential, ()),
     "one-peer-exp": (OnePeerExponential, ()),
     "aer": (AlternatingExponentialRing, ("inter",)),
+    # aer whose inter-node step averages whole node pairs: every step runs as group all-reduces.
+    "aer-pair": (functools.partial(AlternatingExponentialRing, inter="pair"), ()),
     "torus": (Torus, ()),
     "base-k": (BaseGraph, ("k", "simple")),
     "local": (Local, ()),
