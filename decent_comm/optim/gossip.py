@@ -3,7 +3,7 @@ transport that moves the buffers. No tensor math here."""
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,16 +24,31 @@ class MixPlan:
     weights: List[float]
     send: List[int]
     factor: float = 1.0  # the consensus factor a this plan was built with
+    # A group step (decent_comm.optim.groups): the buffer is all-reduced over `group` and mixed as one
+    # neighbour, the group's sum S, with weights == [a / len(group)]; recv and send are empty.
+    group: Optional[Tuple[int, ...]] = None
 
     @property
     def silent(self) -> bool:
-        return not self.recv and not self.send
+        return not self.recv and not self.send and self.group is None
+
+    @property
+    def num_buffers(self) -> int:
+        """Receive buffers per bucket: one per neighbour, or the group's sum."""
+        return 1 if self.group is not None else len(self.recv)
 
 
 def resolve_topology(topology, world_size: int):
-    """A Topology from a built-in name, a Topology, or a matrix / list of matrices."""
+    """A Topology from a built-in name (or adaptive spec), a Topology, or a matrix / list of matrices. An
+    ``Adaptive`` is bound to a fresh copy (its own decision history) for this optimizer."""
     if isinstance(topology, str):
-        return topo_mod.make(topology, world_size)
+        topology = topo_mod.make(topology, world_size)
+    if isinstance(topology, topo_mod.Adaptive):
+        # Each optimizer drives its own copy: the decisions taken are state of this training run.
+        if topology.bound and topology.world_size != world_size:
+            raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
+                             f"has {world_size}")
+        return topology.bind(world_size)
     if isinstance(topology, topo_mod.Topology):
         if topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
@@ -66,9 +81,13 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
     return a
 
 
-def mix_plan(topology, rank: int, step: int, a: float) -> MixPlan:
+def mix_plan(topology, rank: int, step: int, a: float, groups=None) -> MixPlan:
+    """`groups`: a decent_comm.optim.groups.GroupAllReduce whose group steps replace point-to-point gossip."""
     if a == 0.0 or topology.world_size == 1:
         return MixPlan(step, 1.0, [], [], [], a)
+    group = groups.group_of(step) if groups is not None else None
+    if group is not None:
+        return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group)
     peers = topology.peers(rank, step)
     recv = [r for r, _ in peers.recv]
     weights = [a * w for _, w in peers.recv]

@@ -12,6 +12,8 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     """Decentralized(inner_optimizer, *, topology=..., mode=..., ...) with the options of decent_comm.DAdamW.
 
     awc: x^{t+1} = mix(x^t) + (inner_step(x^t) - x^t); atc: x^{t+1} = mix(inner_step(x^t)).
+    Disagreement tracking, replica_variance and Adaptive topologies work as in the fused optimizers (the
+    disagreement comes from the separate mix kernel here).
     Param groups, lr schedulers (pass this object or the inner one) and state_dict work as usual.
     """
 
@@ -44,13 +46,19 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             plan = self._plan(self._t)
             self._launch(plan)
         deltas = []
+        self._begin_disagreement()
         for b in self._buckets:
             nbs = self._wait(b, plan)
             mixed = b.flat.clone()
-            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights)
+            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._dis_slot(b, 0))
             deltas.append(mixed.sub_(b.flat))
+        self._end_disagreement(plan)
+        measure = self._wants_step_sq(self._t + 1)
+        refs = [b.flat.clone() for b in self._buckets] if measure else None
         if not skip_update:
             self.inner.step()
+        if measure:
+            self._step_sq = self._sum_scalars([self._sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)])
         for b, delta in zip(self._buckets, deltas):
             b.flat.add_(delta)
         self._t += 1
@@ -60,12 +68,17 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def _step_atc(self, skip_update: bool):
         if self._pending_mix:
             self._apply_pending_mix()
+        measure = self._wants_step_sq(self._t)
+        refs = [b.flat.clone() for b in self._buckets] if measure else None
         if not skip_update:
             self.inner.step()
+        if measure:
+            self._step_sq = self._sum_scalars([self._sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)])
         plan = self._plan(self._t)
         self._launch(plan)
         if plan.recv or plan.self_weight != 1.0:
             self._pending_mix = {b.index for b in self._buckets}
+            self._atc_fresh = True
         self._t += 1
 
     def state_dict(self):
@@ -75,12 +88,15 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         sd["decentralized"] = dict(step=self._t, next_factor=next_plan.factor if next_plan is not None else None,
                                    topology=self.topology.fingerprint(), mode=self.mode,
                                    consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict")
-                                   else None)
+                                   else None, adaptive=self._adaptive_state())
         return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("decentralized", None)
         self.inner.load_state_dict(state_dict)
+        # torch's load_state_dict replaces the inner optimizer's param_groups (and state) by new objects: share
+        # them again, or an lr scheduler attached to this wrapper would update groups the inner step never reads
+        self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._restore_schedule(extra)

@@ -11,9 +11,13 @@ optimizer and scheduler consume that.
 * ``from_matrix(W | [W0, W1, ...])``, ``from_networkx(G)``, or subclass
   ``Topology`` implementing ``peers`` or ``matrix``.
 * ``with_consensus(topology, a)`` / ``topology.mixed(a)``: ``(1-a) I + a W``.
+* ``Adaptive(candidates, policy)``: switches among candidates during
+  training; policies ``PhaseSchedule`` and ``ConsensusControl`` (see
+  ``adaptive``); ``make("adaptive:consensus:one-peer-exp,exp,complete")``.
 * Analysis: ``spectral_gap``, ``finite_time_exact``, ``period_product``,
   ``comm_cost``.
 """
+from .adaptive import Adaptive, AdaptStats, ConsensusControl, PhaseSchedule, Policy
 from .analysis import SpectralGap, averaging_groups, finite_time_exact, period_product, spectral_gap
 from .base import Peers, Topology
 from .consensus import ConsensusTopology, with_consensus
@@ -28,4 +32,5 @@ __all__ = [
     "with_consensus", "ConsensusTopology", "check_matrix",
     "spectral_gap", "SpectralGap", "finite_time_exact", "period_product", "averaging_groups",
     "comm_cost", "CommCost", "StepCost",
+    "Adaptive", "AdaptStats", "Policy", "PhaseSchedule", "ConsensusControl",
 ]

@@ -50,10 +50,17 @@ def make(name: str, world_size: int, local_world_size: int | None = None, **opti
     ``local_world_size`` (ranks per node) defaults to the ``LOCAL_WORLD_SIZE``
     environment variable set by torchrun, else ``world_size``; it must divide
     ``world_size``.  ``options`` are topology specific (``base-k``: ``k``,
-    ``simple``).  Small schedules are validated here (see
+    ``simple``).  ``name`` may also be an adaptive spec,
+    ``adaptive:consensus:one-peer-exp,exp,complete[:kappa=1]`` or
+    ``adaptive:phase:complete@0,one-peer-exp@100`` (see ``adaptive.parse``).  Small schedules are validated here (see
     ``VALIDATE_MAX_WORK``); large ones are built lazily so construction is
     O(1) (tests validate the built-ins exhaustively for small n).
     """
+    if str(name).strip().lower().startswith("adaptive:"):
+        if options:
+            raise ValueError(f"adaptive specs take their options in the string, got {sorted(options)}")
+        from .adaptive import parse
+        return parse(name, check_world_size(world_size), local_world_size)
     key = canonical_name(name)
     n = check_world_size(world_size)
     L = resolve_local_world_size(n, local_world_size)
