@@ -75,7 +75,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="allreduce (torch DDP + AdamW; allreduce-sgd etc. for another torch optimizer), "
                         f"{', '.join(FUSED)} (fused decent_comm optimizers), or decentralized-<torch optimizer> "
                         "(decent_comm.Decentralized wrapping e.g. torch.optim.AdamW)")
-    g.add_argument("--topology", default="one-peer-exp", help=f"gossip topology: {', '.join(decent_comm.topology.NAMES)}")
+    g.add_argument("--topology", default="one-peer-exp",
+                   help=f"gossip topology: {', '.join(decent_comm.topology.NAMES)}, or an adaptive spec: "
+                        "adaptive:consensus:one-peer-exp,exp,complete[:kappa=1,interval=10] or "
+                        "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive)")
     g.add_argument("--mode", choices=("awc", "atc"), default="awc",
                    help="awc: communicate while adapting (exchange overlaps forward+backward); atc: adapt then combine")
     g.add_argument("--local-world-size", type=int, default=None,
@@ -224,6 +227,23 @@ class Strategy:
     def consensus_distance(self) -> float:
         return self.optimizer.consensus_distance() if self.decentralized else 0.0
 
+    def comm_metrics(self, env) -> dict:
+        """Gossip traffic so far (MB sent per rank, mean over ranks: a collective), the topology in use and rank 0's
+        last disagreement with its neighbours; empty for all-reduce."""
+        if not self.decentralized:
+            return {}
+        sent = torch.tensor([float(self.optimizer.bytes_sent)], dtype=torch.float64, device=env.device)
+        if env.distributed:
+            dist.all_reduce(sent)
+        topo = self.optimizer.topology
+        out = {"bytes_sent_mb": float(sent[0]) / env.world_size / 2**20,
+               "topology": getattr(topo, "current_name", topo.name),
+               "disagreement": self.optimizer.last_disagreement if self.optimizer.track_disagreement else None}
+        last = getattr(getattr(topo, "policy", None), "last", None)
+        if last is not None:  # ConsensusControl: q = Xi^2 / Gamma^2 at its last decision
+            out["adapt_q"] = last[0]
+        return out
+
     def clip_grad_(self, model: torch.nn.Module, max_norm: float):
         if self.decentralized:  # the fused optimizers keep gradients in flat buckets: clip those directly
             self.optimizer.clip_grad_norm_(max_norm)
@@ -316,7 +336,7 @@ class RunLog:
     @property
     def columns(self):
         return ["step", "train_time_s", "lr", "train_loss", "val_loss", "val_acc", "consensus_distance",
-                "step_time_ms", f"{self.item_name}_per_s"]
+                "step_time_ms", f"{self.item_name}_per_s", "bytes_sent_mb", "topology", "disagreement"]
 
     def write(self, config: dict, summary: dict):
         if self.out is None:
@@ -547,7 +567,7 @@ def summarize(args, task: Task, env: DistEnv, strategy: Strategy, progress: Prog
             "mean_step_time_ms": 1e3 * progress.train_time / max(1, steps),
             f"{task.item_name}_per_s": steps * task.items_per_batch * env.world_size / seconds,
             "final_val_loss": last.get("val_loss"), "final_val_acc": last.get("val_acc"),
-            "final_consensus_distance": last.get("consensus_distance")}
+            "final_consensus_distance": last.get("consensus_distance"), "bytes_sent_mb": last.get("bytes_sent_mb")}
 
 
 def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defaults: Dict[str, float]) -> dict:
@@ -597,6 +617,7 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
                 row = {"step": step, "train_time_s": round(progress.train_time, 4), "lr": lr, **interval.flush()}
                 if do_eval:
                     row.update(evaluate(task, strategy, env), consensus_distance=strategy.consensus_distance())
+                    row.update(strategy.comm_metrics(env))
                     log.info("step %d | train %.4f | val %.4f%s | consensus %.3g | %.1f ms/step | %.0f %s/s",
                              step, row["train_loss"], row["val_loss"],
                              f" | acc {row['val_acc']:.4f}" if "val_acc" in row else "", row["consensus_distance"],
