@@ -19,11 +19,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from lm_runs import run_train_lm  # noqa: E402
 log = logging.getLogger("bench.adaptive")
 
 DEFAULT_ADAPTIVE = "adaptive:consensus:one-peer-exp,exp,complete"
@@ -41,22 +42,10 @@ def run_specs(args):
 
 
 def launch(label, topology, args, out_dir):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           os.path.join(ROOT, "examples", "train_lm.py"), "--optimizer", args.optimizer, "--topology", topology,
-           "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
-           "--seed", str(args.seed), "--layers", str(args.layers), "--d-model", str(args.d_model),
-           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--out", out_dir, "--no-progress"]
+    flags = ["--optimizer", args.optimizer, "--topology", topology, "--log-every", str(args.eval_every)]
     if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
-    log.info("%s: %s", label, " ".join(cmd[1:]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench/adaptive: the {label} run failed (exit code {proc.returncode}); its output is above")
-    with open(os.path.join(out_dir, "log.json")) as f:
-        result = json.load(f)
-    result["launch_wall_s"] = time.perf_counter() - start
+        flags += ["--lr", str(args.lr)]
+    result = run_train_lm(label, flags, args, out_dir, "bench/adaptive")
     result["topology_flag"] = topology
     return result
 

@@ -13,16 +13,15 @@ in a few minutes on a 2-core machine; the flags below trade time for fidelity.
 """
 
 import argparse
-import json
 import logging
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import common  # noqa: E402
+from lm_runs import run_train_lm  # noqa: E402
 
 log = logging.getLogger("demo")
 
@@ -38,22 +37,7 @@ def runs(args):
 
 
 def launch(label: str, lr: float, flags, args, out_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           os.path.join(ROOT, "examples", "train_lm.py"), *flags, "--lr", str(lr),
-           "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--seed", str(args.seed),
-           "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq-len", str(args.seq_len),
-           "--batch-size", str(args.batch_size), "--out", out_dir, "--no-progress"]
-    log.info("%s: %s", label, " ".join(cmd[1:]))
-    # One intra-op thread per rank: the 4 ranks already oversubscribe the cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"demo: the {label} run failed (exit code {proc.returncode}); its output is above")
-    with open(os.path.join(out_dir, "log.json")) as f:
-        result = json.load(f)
-    result["launch_wall_s"] = time.perf_counter() - start
-    return result
+    return run_train_lm(label, [*flags, "--lr", str(lr)], args, out_dir, "demo")
 
 
 def table(results) -> str:
