@@ -35,7 +35,6 @@ and .png.
 import argparse
 import json
 import logging
-import math
 import os
 import shutil
 import sys

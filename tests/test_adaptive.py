@@ -7,7 +7,6 @@ gathered and reduced directly in float64, closed-form gains, or decisions recomp
 from the same random draws the ranks used.
 """
 
-import math
 
 import numpy as np
 import pytest

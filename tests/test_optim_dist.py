@@ -4,7 +4,6 @@ all ranks (tests/optim_reference.py), plus the behaviours the optimizer contract
 import itertools
 import time
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import ADAM_HP, OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model  # noqa: F401
+from optim_cases import OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model
 from optim_reference import Reference
 
 STEPS = 20
