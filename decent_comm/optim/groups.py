@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Adaptive, Topology, averaging_groups
+from ..topology.analysis import MIN_ALLREDUCE_GROUP
 
 log = logging.getLogger("decent_comm")
 
 EXCHANGES = ("auto", "p2p")
-MIN_GROUP = 3            # smaller groups gain nothing from an all-reduce
+MIN_GROUP = MIN_ALLREDUCE_GROUP
 MAX_SCAN = 1 << 16       # period * world_size beyond which the schedule is not scanned for groups
 
 
@@ -43,13 +44,12 @@ class GroupAllReduce:
     """This rank's side of the group steps of a (static-schedule) topology: which group it averages in at a
     step, and the asynchronous all-reduces of its buckets' buffers in that group's process group."""
 
-    def __init__(self, topology: Topology, table, process_group, rank: int, timeout: Optional[float]):
-        """`table`: step in the period -> groups (``scan_groups``); for an ``Adaptive`` topology, a list of such
-        tables, one per candidate (the process groups of all candidates are created up front)."""
+    def __init__(self, topology: Topology, tables, process_group, rank: int, timeout: Optional[float]):
+        """`tables`: per candidate of an ``Adaptive`` topology (one table for any other), step in the period ->
+        groups (``scan_groups``); the process groups of all candidates are created up front."""
         self.topology = topology
         self.rank = rank
         self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
-        tables = table if isinstance(table, list) else [table]
         self._mine: List[Dict[int, Tuple[int, ...]]] = [{} for _ in tables]
         self._pgs: Dict[Tuple[int, ...], object] = {}
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
@@ -86,7 +86,7 @@ class GroupAllReduce:
         tables = [scan_groups(p, world_size) for p in parts]
         if not any(tables):
             return None
-        return cls(topology, tables if isinstance(topology, Adaptive) else tables[0], process_group, rank, timeout)
+        return cls(topology, tables, process_group, rank, timeout)
 
     def group_of(self, step: int) -> Optional[Tuple[int, ...]]:
         """The group this rank averages in at `step`, or None when the step is point to point."""

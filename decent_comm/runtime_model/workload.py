@@ -27,13 +27,14 @@ import math
 
 import numpy as np
 
+from ..topology.analysis import MIN_ALLREDUCE_GROUP
 from .stragglers import expected_max_normal, expected_max_sample
 
 MODES = ("awc", "atc")
 EXCHANGES = ("auto", "p2p", "group-allreduce")
 #: With exchange="auto", a step runs as group all-reduces when one of its groups has this many ranks
-#: (decent_comm.optim.groups.MIN_GROUP: what the optimizers do).
-AUTO_MIN_GROUP = 3
+#: (the same threshold the optimizers use).
+AUTO_MIN_GROUP = MIN_ALLREDUCE_GROUP
 WIRE_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2, "half": 2, "fp8": 1, "int8": 1, "fp64": 8, "float64": 8}
 DDP_BUCKET_BYTES = 25 * 2 ** 20

@@ -69,6 +69,11 @@ def finite_time_exact(topology: Topology, tol: float = 1e-9) -> bool:
     return bool(np.abs(period_product(topology) - 1.0 / n).max() <= tol)
 
 
+#: Groups smaller than this gain nothing from an all-reduce over point-to-point gossip (same bytes); the
+#: optimizers (decent_comm.optim.groups) and the runtime model's exchange="auto" both use it.
+MIN_ALLREDUCE_GROUP = 3
+
+
 def averaging_groups(topology: Topology, step: int, tol: float = 1e-9):
     """Averaging groups of a step, or ``None`` when ``W(step)`` is not block-uniform.
 
