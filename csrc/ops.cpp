@@ -2,11 +2,13 @@
 // Meta/fake kernels torch.compile traces with), and the CPU/CUDA implementations that hand validated
 // plain pointers to the kernels in csrc/cpu and csrc/cuda.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/fused_launch.h"
@@ -113,6 +115,46 @@ void set_disagreement(const char* op, FusedOperands& o, const std::optional<at::
   o.disagreement = float_ptr(d);
 }
 
+// The kernels compute element i from element i of every operand only, and read all of them before writing
+// any (the CPU loops are compiled with "no loop-carried dependence" hints on that basis). So an operand may
+// be the very same buffer as x (same start, same length), but buffers that are shifted against each other
+// would be silently wrong, and two outputs in one buffer are meaningless: both are refused, by name.
+// `outputs` are the buffers the op writes; `inputs` the ones it only reads.
+using Named = std::pair<std::string, const at::Tensor*>;
+void check_no_overlap(const char* op, const std::vector<Named>& outputs, const std::vector<Named>& inputs) {
+  if (outputs.front().second->is_meta()) return;  // fake tensors have no memory
+  for (size_t a = 0; a < outputs.size(); ++a) {
+    const at::Tensor& out = *outputs[a].second;
+    for (size_t b = a + 1; b < outputs.size(); ++b) {
+      const auto status = at::get_overlap_status(out, *outputs[b].second);
+      TORCH_CHECK(status == at::MemOverlapStatus::No || status == at::MemOverlapStatus::TooHard, op, ": ",
+                  outputs[a].first, " and ", outputs[b].first, " share memory (both are written; pass separate "
+                  "buffers)");
+    }
+    for (const auto& [name, in] : inputs) {
+      TORCH_CHECK(at::get_overlap_status(out, *in) != at::MemOverlapStatus::Partial, op, ": ", name,
+                  " partially overlaps ", outputs[a].first, ", which the op writes (an operand may be the same "
+                  "buffer as x, never a shifted view of it)");
+    }
+  }
+}
+
+// The read-only operands of one call (the neighbours, then `grad` when given), named for check_no_overlap.
+std::vector<Named> named_inputs(const at::TensorList& neighbors, const at::Tensor* grad = nullptr) {
+  std::vector<Named> named;
+  for (size_t j = 0; j < neighbors.size(); ++j) named.emplace_back("neighbors[" + std::to_string(j) + "]", &neighbors[j]);
+  if (grad != nullptr) named.emplace_back("grad", grad);
+  return named;
+}
+
+// x, the state buffers and the optional disagreement output: what the op writes.
+std::vector<Named> named_outputs(const at::Tensor& x, std::vector<Named> state,
+                                 const std::optional<at::Tensor>& disagreement) {
+  state.insert(state.begin(), Named("x", &x));
+  if (disagreement.has_value()) state.emplace_back("disagreement", &*disagreement);
+  return state;
+}
+
 // Validates the Adam-family hyper-parameters and fills them in, with the bias corrections for
 // `bias_steps` moment updates (the step for Adam; the window count for AccumAdam).
 HyperParams adam_hyper(const char* op, int64_t step, double bias_steps, double lr, double beta1, double beta2,
@@ -147,6 +189,7 @@ void gossip_mix_impl(const at::Tensor& x, at::TensorList neighbors, double self_
   const char* op = "decent_comm.gossip_mix_";
   FusedOperands o = check_mix(op, x, neighbors, self_weight, weights);
   set_disagreement(op, o, disagreement, x);
+  check_no_overlap(op, named_outputs(x, {}, disagreement), named_inputs(neighbors));
   run(UpdateKind::Mix, o, HyperParams{}, x);
 }
 
@@ -176,6 +219,9 @@ void mix_sgd_impl(const at::Tensor& x, at::TensorList neighbors, double self_wei
     o.state[0] = float_ptr(*momentum_buffer);
     kind = UpdateKind::SgdMomentum;
   }
+  std::vector<Named> state;
+  if (kind == UpdateKind::SgdMomentum) state.emplace_back("momentum_buffer", &*momentum_buffer);
+  check_no_overlap(op, named_outputs(x, state, disagreement), named_inputs(neighbors, &grad));
   run(kind, o, hp, x);
 }
 
@@ -193,6 +239,8 @@ void mix_adam_impl(const at::Tensor& x, at::TensorList neighbors, double self_we
   const HyperParams hp = adam_hyper(op, step, double(step), lr, beta1, beta2, eps, weight_decay, decoupled);
   o.state[0] = float_ptr(exp_avg);
   o.state[1] = float_ptr(exp_avg_sq);
+  check_no_overlap(op, named_outputs(x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}, disagreement),
+                   named_inputs(neighbors, &grad));
   run(UpdateKind::Adam, o, hp, x);
 }
 
@@ -218,6 +266,10 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
   o.state[0] = float_ptr(exp_avg);
   o.state[1] = float_ptr(exp_avg_sq);
   o.state[2] = float_ptr(accum);
+  check_no_overlap(op,
+                   named_outputs(x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"accum", &accum}},
+                                 disagreement),
+                   named_inputs(neighbors, &grad));
   run(UpdateKind::AccumAdam, o, hp, x);
 }
 

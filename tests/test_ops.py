@@ -298,6 +298,43 @@ def test_optimizer_ops_bad_input():
     assert torch.all(x == 0) and all(torch.all(s == 0) for s in st)
 
 
+def test_shifted_or_shared_outputs_are_refused_and_nothing_is_written():
+    # The kernels read element i of every operand before writing element i, so an operand may be x
+    # itself, but a view shifted against a written buffer, or two outputs in one buffer, is refused.
+    buf = torch.randn(40)
+    x, shifted = buf[0:16], buf[1:17]
+    g = torch.randn(16)
+    m, v = torch.zeros(16), torch.zeros(16)
+    before = buf.clone()
+    with pytest.raises(RuntimeError, match=r"neighbors\[0\] partially overlaps x"):
+        ops.gossip_mix_(x, [shifted], 0.5, [0.5])
+    with pytest.raises(RuntimeError, match=r"grad partially overlaps x"):
+        ops.mix_sgd_(x, [], 1.0, [], shifted, None, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"grad partially overlaps exp_avg"):
+        ops.mix_adam_(g, [], 1.0, [], buf[20:36], buf[19:35], v, 1, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"x and exp_avg share memory"):
+        ops.mix_adam_(x, [], 1.0, [], g, x, v, 1, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"exp_avg and exp_avg_sq share memory"):
+        ops.mix_adam_(g.clone(), [], 1.0, [], g, m, m, 1, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"x and disagreement share memory"):
+        ops.gossip_mix_(x, [g], 0.5, [0.5], disagreement=buf[3:4])
+    with pytest.raises(RuntimeError, match=r"exp_avg_sq and accum share memory"):
+        ops.mix_accum_adam_(g.clone(), [], 1.0, [], g, m, v, v, 1, 2, lr=0.1)
+    assert torch.equal(buf, before) and torch.all(m == 0) and torch.all(v == 0)
+
+
+@pytest.mark.parametrize("n", [7, 4099])
+def test_x_may_be_its_own_neighbor_or_gradient(n):
+    x = torch.randn(n, dtype=torch.float64)
+    y = torch.randn(n, dtype=torch.float64)
+    expected = 0.5 * x + 0.5 * y  # 0.2 x + 0.3 x + 0.5 y
+    ops.gossip_mix_(x, [x, y], 0.2, [0.3, 0.5])
+    torch.testing.assert_close(x, expected)
+    expected = x * (1 - 0.1)
+    ops.mix_sgd_(x, [], 1.0, [], x, None, lr=0.1)
+    torch.testing.assert_close(x, expected)
+
+
 def test_float64_is_rejected_on_cuda_meta_check():
     # float64 storage exists only on CPU; the check runs before any CUDA work, so it is testable anywhere
     # a CUDA device exists. On CPU float64 is accepted.
