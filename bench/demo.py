@@ -3,9 +3,11 @@
 Runs examples/train_lm.py three times with torchrun (python -m torch.distributed.run --standalone,
 --nproc_per_node 4), same model, data, seed and number of steps:
 
-  allreduce    torch DDP + torch.optim.AdamW (gradient all-reduce every step): the baseline
-  dadamw       decent_comm.DAdamW on one-peer-exp (one neighbour per step)
-  accumadamw   decent_comm.AccumAdamW on aer, emulating 2 nodes x 2 ranks (--local-world-size 2), at --accum-lr
+  allreduce    torch DDP + torch.optim.AdamW (gradient all-reduce every step) at --lr: the baseline
+  dadamw       decent_comm.DAdamW on one-peer-exp (one neighbour per step) at sqrt(nproc) x --lr
+               (lm_runs.decentralized_adam_lr says why)
+  accumadamw   decent_comm.AccumAdamW on aer, emulating 2 nodes x 2 ranks (--local-world-size 2), at
+               sqrt(nproc / 4) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.accum_flags)
 
 then prints the final validation loss (of the global-average model), mean step time and speedup over
 all-reduce, writes the table to OUT/results.md and all three loss curves to OUT/demo.png. Sized to finish
@@ -21,23 +23,27 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import common  # noqa: E402
-from lm_runs import run_train_lm  # noqa: E402
+from lm_runs import accum_flags, decentralized_adam_lr, run_train_lm  # noqa: E402
 
 log = logging.getLogger("demo")
+
+
+ACCUM_STEPS = 4
 
 
 def runs(args):
     """(label, lr, train_lm flags) of the three runs."""
     return [
         ("allreduce", args.lr, ["--optimizer", "allreduce"]),
-        ("dadamw one-peer-exp", args.lr, ["--optimizer", "dadamw", "--topology", "one-peer-exp"]),
-        ("accumadamw aer 2x2", args.accum_lr,
-         ["--optimizer", "accumadamw", "--topology", "aer", "--local-world-size", "2"]),
+        ("dadamw one-peer-exp", decentralized_adam_lr(args.lr, args.nproc),
+         ["--optimizer", "dadamw", "--topology", "one-peer-exp"]),
+        ("accumadamw aer 2x2", decentralized_adam_lr(args.lr, args.nproc, accum_steps=ACCUM_STEPS),
+         ["--optimizer", "accumadamw", "--topology", "aer", "--local-world-size", "2", *accum_flags(ACCUM_STEPS)]),
     ]
 
 
 def launch(label: str, lr: float, flags, args, out_dir: str) -> dict:
-    return run_train_lm(label, [*flags, "--lr", str(lr)], args, out_dir, "demo")
+    return run_train_lm(label, [*flags, "--lr", f"{lr:.2g}", "--warmup", str(args.warmup)], args, out_dir, "demo")
 
 
 def table(results) -> str:
@@ -67,15 +73,15 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=64, help="context length")
     p.add_argument("--batch-size", type=int, default=16, help="batch per rank")
     p.add_argument("--seed", type=int, default=0, help="seed shared by the three runs")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak lr of the allreduce (AdamW) and dadamw runs")
-    p.add_argument("--accum-lr", type=float, default=1.5e-3,
-                   help="peak lr of accumadamw: its second moment is built from the mean gradient of each "
-                        "accumulation window (less noise), so its steps are about sqrt(accum steps) larger than "
-                        "Adam's at the same lr; at 3e-3 it trails by far more")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps of every run (default: 30%% of --steps)")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak lr of the allreduce (AdamW) run; the decentralized runs scale it (see above)")
     p.add_argument("--quick", action="store_true", help="30 steps, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every = 30, 15
+    if args.warmup is None:
+        args.warmup = max(1, args.steps * 3 // 10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo: %(message)s", datefmt="%H:%M:%S")
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -85,7 +91,7 @@ def main(argv=None):
     total, load_after = time.perf_counter() - start, os.getloadavg()[0]
 
     header = (f"train_lm: {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch_size}"
-              f"/rank, {args.steps} steps, {args.nproc} CPU ranks (gloo), seed {args.seed}; demo wall time {total:.0f} s "
+              f"/rank, {args.steps} steps (warmup {args.warmup}), {args.nproc} CPU ranks (gloo), seed {args.seed}; demo wall time {total:.0f} s "
               f"on {os.cpu_count()} cores (load average {load_before:.1f} before, {load_after:.1f} after)")
     text = f"{header}\n\n{table(results)}\n"
     print("\n" + text)

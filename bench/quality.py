@@ -1,0 +1,109 @@
+"""Quality at equal steps: decentralized optimizers against the all-reduce baseline on train_lm.
+
+For each world size n (default 4 and 8 local CPU ranks) it runs examples/train_lm.py with
+
+  allreduce               torch DDP + torch.optim.AdamW at --lr (the baseline)
+  dadamw one-peer-exp     decent_comm.DAdamW, one neighbour per step
+  dadamw aer              DAdamW on aer, emulating n/2 nodes x 2 ranks (--local-world-size 2)
+  accumadamw one-peer-exp decent_comm.AccumAdamW, with per-window betas (0.9^K, 0.999^K) (see lm_runs.accum_flags)
+  accumadamw aer          AccumAdamW on aer (n/2 nodes x 2 ranks)
+
+all with the same model, data, seed, warmup-cosine schedule and number of steps, and prints one table per n:
+final validation loss of the global-average model and its gap to all-reduce (target: within 2%).
+
+The lr rule (--lr-rule sqrt, the default; lm_runs.decentralized_adam_lr says why) gives DAdamW sqrt(n) times
+the baseline lr and AccumAdamW sqrt(n / accum_steps) times it; `--lr-rule none` runs every optimizer at --lr.
+
+    python bench/quality.py [--nprocs 4,8] [--steps 300] [--lr 3e-3] [--lr-rule sqrt|none] [--quick]
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from demo import table  # noqa: E402
+from lm_runs import accum_flags, decentralized_adam_lr, run_train_lm  # noqa: E402
+
+log = logging.getLogger("quality")
+
+OPTIMIZERS = ("dadamw", "accumadamw")
+TOPOLOGIES = {"one-peer-exp": [], "aer": ["--local-world-size", "2"]}
+
+
+def runs(args, nproc: int):
+    """(label, train_lm flags) of the runs at world size nproc, the baseline first."""
+    out = [("allreduce", ["--optimizer", "allreduce", "--lr", f"{args.lr:g}"])]
+    for opt in args.optimizers:
+        accum = opt.startswith("accum")
+        # Two significant digits, so that the lr in the table is the lr that ran.
+        lr = f"{decentralized_adam_lr(args.lr, nproc, args.lr_rule, args.accum_steps if accum else 1):.2g}"
+        extra = accum_flags(args.accum_steps) if accum else []
+        for topo in args.topologies:
+            out.append((f"{opt} {topo}", ["--optimizer", opt, "--topology", topo, "--lr", lr, *extra,
+                                          *TOPOLOGIES[topo]]))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "quality"), help="directory for logs and tables")
+    p.add_argument("--nprocs", default="4,8", help="comma-separated world sizes (even: aer pairs ranks into nodes)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 30%% of --steps)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation interval")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--seq-len", type=int, default=64, help="context length")
+    p.add_argument("--batch-size", type=int, default=16, help="batch per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed shared by every run")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak lr of the all-reduce AdamW baseline")
+    p.add_argument("--lr-rule", choices=("sqrt", "none"), default="sqrt",
+                   help="decentralized Adam-family lr: sqrt(n) x --lr, or --lr itself")
+    p.add_argument("--accum-steps", type=int, default=4, help="AccumAdamW's accumulation window")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="decentralized optimizers to run")
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="topologies to run them on")
+    p.add_argument("--quick", action="store_true", help="30 steps at 4 ranks, for checking the pipeline only")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every, args.nprocs = 30, 15, "4"
+    if args.warmup is None:
+        args.warmup = max(1, args.steps * 3 // 10)
+    args.optimizers = [o for o in args.optimizers.split(",") if o]
+    args.topologies = [t for t in args.topologies.split(",") if t]
+    for t in args.topologies:
+        if t not in TOPOLOGIES:
+            p.error(f"--topologies: {t!r} is not one of {', '.join(TOPOLOGIES)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s quality: %(message)s", datefmt="%H:%M:%S")
+
+    sections, summary = [], {}
+    for nproc in (int(v) for v in args.nprocs.split(",")):
+        if nproc < 2 or nproc % 2:
+            p.error(f"--nprocs: {nproc} must be even and >= 2 (aer pairs ranks into nodes)")
+        args.nproc = nproc
+        results = []
+        for i, (label, flags) in enumerate(runs(args, nproc)):
+            out_dir = os.path.join(args.out, f"n{nproc}_run{i}")
+            results.append((label, run_train_lm(label, [*flags, "--warmup", str(args.warmup)], args, out_dir,
+                                                "quality")))
+        sections.append(f"### {nproc} ranks\n\n{table(results)}\n")
+        summary[nproc] = {label: r["summary"] for label, r in results}
+
+    header = (f"train_lm: {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch_size}"
+              f"/rank, {args.steps} steps (warmup {args.warmup}, cosine to 0.1x), seed {args.seed}; allreduce lr "
+              f"{args.lr:g}, decentralized lr rule '{args.lr_rule}'")
+    text = header + "\n\n" + "\n".join(sections)
+    print("\n" + text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "summary": summary}, f, indent=1)
+    print(f"table: {os.path.join(args.out, 'results.md')}")
+
+
+if __name__ == "__main__":
+    main()
