@@ -87,7 +87,7 @@ def compute_probe(mod, argv, steps: int) -> dict:
     common.resolve_defaults(args, mod.LR_DEFAULTS)
     torch.manual_seed(args.seed)
     task = mod.build_task(args, env)
-    opt = common._torch_optimizer(torch.optim.AdamW, task.model.parameters(), args)
+    opt = common.torch_optimizer(torch.optim.AdamW, task.model.parameters(), args)
     strategy = common.Strategy(opt, task.model, decentralized=False)
     gen = torch.Generator().manual_seed(common.rank_seed(args.seed, env.rank))
     times = []
@@ -194,7 +194,6 @@ def main(plan_path: str):
     rank = dist.get_rank()
     L = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     mod = workload_module(plan["workload"])
-    common.Stopwatch = JobStopwatch
 
     first_argv = plan["phases"][0]["runs"][0]["argv"]
     results = {"plan": plan, "world_size": dist.get_world_size(), "local_world_size": L, "phases": []}
@@ -215,7 +214,7 @@ def main(plan_path: str):
             argv += ["--out", run_out, "--no-progress"]
             dist.barrier()
             t0 = time.perf_counter()
-            summary = common.run(mod.parse_args(argv), mod.build_task, mod.LR_DEFAULTS)
+            summary = common.run(mod.parse_args(argv), mod.build_task, mod.LR_DEFAULTS, stopwatch_cls=JobStopwatch)
             wall = time.perf_counter() - t0
             if rank == 0:
                 with open(os.path.join(run_out, "log.json")) as f:

@@ -255,7 +255,7 @@ class Strategy:
             self.optimizer.shutdown()
 
 
-def _torch_optimizer(cls, params, args):
+def torch_optimizer(cls, params, args):
     """cls(params, lr, ...) with the hyper-parameters from the flags that cls accepts."""
     accepted = inspect.signature(cls.__init__).parameters
     kw = {"lr": args.lr}
@@ -287,7 +287,7 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
             if args.bf16_wire:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
                 forward.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        return Strategy(_torch_optimizer(cls, model.parameters(), args), forward, decentralized=False)
+        return Strategy(torch_optimizer(cls, model.parameters(), args), forward, decentralized=False)
 
     # local_world_size=None lets decent_comm read LOCAL_WORLD_SIZE (set by torchrun) itself.
     topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=args.local_world_size)
@@ -304,7 +304,7 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
             kw["accum_steps"] = args.accum_steps
         opt = cls(model.parameters(), **kw)
     else:
-        inner = _torch_optimizer(TORCH_OPTIMIZERS[name.split("-", 1)[1]], model.parameters(), args)
+        inner = torch_optimizer(TORCH_OPTIMIZERS[name.split("-", 1)[1]], model.parameters(), args)
         opt = decent_comm.Decentralized(inner, **options)
     return Strategy(opt, model, decentralized=True)
 
@@ -570,8 +570,10 @@ def summarize(args, task: Task, env: DistEnv, strategy: Strategy, progress: Prog
             "final_consensus_distance": last.get("consensus_distance"), "bytes_sent_mb": last.get("bytes_sent_mb")}
 
 
-def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defaults: Dict[str, float]) -> dict:
-    """Trains, evaluating and checkpointing as the flags say; returns the summary (also in log.json)."""
+def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defaults: Dict[str, float],
+        stopwatch_cls=None) -> dict:
+    """Trains, evaluating and checkpointing as the flags say; returns the summary (also in log.json).
+    stopwatch_cls (default Stopwatch) times the steps; a benchmark may pass one that synchronizes the ranks."""
     env = init_distributed(args.device)
     setup_logging(env.rank)
     torch.set_num_threads(args.threads)
@@ -595,7 +597,7 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
     interval = Interval(env.device, task.items_per_batch * env.world_size, task.item_name)
     straggle = Straggler(getattr(args, "straggler_ms", None), args.seed, env.rank)
     with progress_bar(env, args, progress.step) as bar:
-        watch = Stopwatch(env.device)
+        watch = (stopwatch_cls or Stopwatch)(env.device)
         while progress.step < args.steps:
             lr = strategy.optimizer.param_groups[0]["lr"]  # the lr this step uses
             straggle()
