@@ -2,7 +2,6 @@
 same model, data and evaluation flags for every run of a comparison, and its log.json read back."""
 
 import json
-import math
 import logging
 import os
 import subprocess
@@ -10,29 +9,28 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import decent_comm  # noqa: E402
+
 log = logging.getLogger("bench")
 
 
 def decentralized_adam_lr(allreduce_lr: float, nproc: int, rule: str = "sqrt", accum_steps: int = 1) -> float:
-    """The lr a decentralized Adam-family run gets next to an all-reduce AdamW baseline at `allreduce_lr`.
-
-    All-reduce Adam divides by the second moment of the n-rank mean gradient; each decentralized rank divides by
-    that of its own gradient, which, once gradient noise dominates, is up to n times larger, so the averaged
-    step is up to sqrt(n) times shorter. AccumAdam builds its second moment from the mean gradient of a window
-    of `accum_steps` steps, which takes back a factor accum_steps. rule "sqrt" scales the lr by
-    sqrt(max(1, n / accum_steps)); "none" keeps it."""
+    """The lr of a decentralized Adam-family run next to an all-reduce AdamW baseline at `allreduce_lr`: rule
+    "sqrt" is decent_comm.decentralized_adam_hparams (sqrt(n), or sqrt(n / accum_steps) for AccumAdam, which
+    says why); "none" keeps the baseline's lr."""
     if rule not in ("sqrt", "none"):
         raise ValueError(f"unknown lr rule {rule!r} (use 'sqrt' or 'none')")
-    return allreduce_lr * (math.sqrt(max(1.0, nproc / accum_steps)) if rule == "sqrt" else 1.0)
+    if rule == "none":
+        return allreduce_lr
+    return decent_comm.decentralized_adam_hparams(allreduce_lr, nproc, accum_steps=accum_steps)["lr"]
 
 
 def accum_flags(accum_steps: int):
-    """train_lm flags of an AccumAdamW run next to an AdamW baseline with betas (0.9, 0.999). AccumAdam's betas act
-    once per window of accum_steps steps; raised to the power accum_steps they keep the moments' memory in *steps*
-    equal to AdamW's. With the per-step values the momentum spans accum_steps times more steps, which a run of a few
-    hundred steps cannot afford (measured in docs/quality_results.md)."""
-    k = accum_steps
-    return ["--accum-steps", str(k), "--betas", f"{0.9 ** k:.4g},{0.999 ** k:.4g}"]
+    """train_lm flags of an AccumAdamW run next to an AdamW baseline with betas (0.9, 0.999): the per-window betas
+    of decent_comm.decentralized_adam_hparams, which keep the moments' memory in steps equal to AdamW's."""
+    betas = decent_comm.decentralized_adam_hparams(1.0, 1, accum_steps=accum_steps)["betas"]
+    return ["--accum-steps", str(accum_steps), "--betas", f"{betas[0]:.4g},{betas[1]:.4g}"]
 
 
 def run_train_lm(label: str, flags, args, out_dir: str, caller: str) -> dict:

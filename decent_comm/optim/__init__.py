@@ -3,7 +3,8 @@
 from .base import MODES, DecentralizedMixin
 from .consensus import AdaptiveConsensus
 from .fused import DSGD, AccumAdam, AccumAdamW, DAdam, DAdamW
+from .hparams import decentralized_adam_hparams
 from .wrapper import Decentralized
 
 __all__ = ["DSGD", "DAdam", "DAdamW", "AccumAdam", "AccumAdamW", "Decentralized", "AdaptiveConsensus",
-           "DecentralizedMixin", "MODES"]
+           "DecentralizedMixin", "MODES", "decentralized_adam_hparams"]
