@@ -24,7 +24,7 @@ test_rc=${PIPESTATUS[0]}
 echo "== kernel benchmark"
 "$PY" bench/mix_kernels.py --device cuda --json "$OUT_DIR/mix_kernels_cuda.json" > "$OUT_DIR/gpu_bench.log" 2>&1 || status=1
 echo
-echo "== summary (GB/s of the minimum bytes; roofline = measured device copy; speedup = baseline / ours)"
+echo "== summary (GB/s of the minimum bytes; roofline = same-shape in-place torch kernel (add_/addcmul_, else best of those and copy_); speedup = baseline / ours)"
 grep -E "^\| (op|gossip|mix_adam)" "$OUT_DIR/gpu_bench.log" | head -40
 echo "tests: $(tail -1 "$OUT_DIR/gpu_tests.log")"
 exit $status
