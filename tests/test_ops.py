@@ -78,12 +78,13 @@ def test_gossip_mix_misaligned_views(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gossip_mix_reports_disagreement(device):
-    g = gen(7)
+@pytest.mark.parametrize("k", [1, 3, 6])  # the CPU kernels reduce in the single pass up to k = 4, blocked beyond
+def test_gossip_mix_reports_disagreement(device, k):
+    g = gen(7 + k)
     for n in [0, 5, 4097, 70_001]:
         x = flat(n, torch.float32, device, gen=g)
-        ys = [flat(n, torch.bfloat16, device, gen=g) for _ in range(3)]
-        sw, ws = random_weights(3, g)
+        ys = [flat(n, torch.bfloat16, device, gen=g) for _ in range(k)]
+        sw, ws = random_weights(k, g)
         ref, _ = mix64(x, ys, sw, ws)
         want = float(((ref - x.double()) ** 2).sum())
         out = torch.full((1,), 123.0, device=device)
