@@ -24,7 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from lm_runs import run_train_lm  # noqa: E402
+from lm_runs import add_run_args, run_train_lm  # noqa: E402
 log = logging.getLogger("bench.adaptive")
 
 DEFAULT_ADAPTIVE = "adaptive:consensus:one-peer-exp,exp,complete"
@@ -146,15 +146,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "adaptive"), help="directory of the runs' logs")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="where the JSON and PNG go")
     p.add_argument("--nproc", type=int, default=8, help="local ranks")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=25)
+    add_run_args(p, eval_every=25)
     p.add_argument("--optimizer", default="dadamw")
     p.add_argument("--lr", type=float, default=None, help="peak lr (default: train_lm's for the optimizer)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adaptive", default=DEFAULT_ADAPTIVE, help="--topology of the adaptive run")
     p.add_argument("--phase", default=None, help="also run this adaptive:phase:... schedule (label 'phase')")
     p.add_argument("--variant", action="append", metavar="LABEL=SPEC",

@@ -5,9 +5,9 @@ Runs examples/train_lm.py three times with torchrun (python -m torch.distributed
 
   allreduce    torch DDP + torch.optim.AdamW (gradient all-reduce every step) at --lr: the baseline
   dadamw       decent_comm.DAdamW on one-peer-exp (one neighbour per step) at sqrt(nproc) x --lr
-               (lm_runs.decentralized_adam_lr says why)
+               (decent_comm.decentralized_adam_hparams says why)
   accumadamw   decent_comm.AccumAdamW on aer, emulating 2 nodes x 2 ranks (--local-world-size 2), at
-               sqrt(nproc / 4) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.accum_flags)
+               sqrt(nproc / 4) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.decentralized_adam_flags)
 
 then prints the final validation loss (of the global-average model), mean step time and speedup over
 all-reduce, writes the table to OUT/results.md and all three loss curves to OUT/demo.png. Sized to finish
@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import common  # noqa: E402
-from lm_runs import accum_flags, decentralized_adam_lr, run_train_lm  # noqa: E402
+from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
 
 log = logging.getLogger("demo")
 
@@ -32,18 +32,18 @@ ACCUM_STEPS = 4
 
 
 def runs(args):
-    """(label, lr, train_lm flags) of the three runs."""
+    """(label, train_lm flags) of the three runs."""
     return [
-        ("allreduce", args.lr, ["--optimizer", "allreduce"]),
-        ("dadamw one-peer-exp", decentralized_adam_lr(args.lr, args.nproc),
-         ["--optimizer", "dadamw", "--topology", "one-peer-exp"]),
-        ("accumadamw aer 2x2", decentralized_adam_lr(args.lr, args.nproc, accum_steps=ACCUM_STEPS),
-         ["--optimizer", "accumadamw", "--topology", "aer", "--local-world-size", "2", *accum_flags(ACCUM_STEPS)]),
+        ("allreduce", ["--optimizer", "allreduce", "--lr", f"{args.lr:.2g}"]),
+        ("dadamw one-peer-exp",
+         ["--optimizer", "dadamw", "--topology", "one-peer-exp", *decentralized_adam_flags(args.lr, args.nproc)]),
+        ("accumadamw aer 2x2", ["--optimizer", "accumadamw", "--topology", "aer", "--local-world-size", "2",
+                                *decentralized_adam_flags(args.lr, args.nproc, accum_steps=ACCUM_STEPS)]),
     ]
 
 
-def launch(label: str, lr: float, flags, args, out_dir: str) -> dict:
-    return run_train_lm(label, [*flags, "--lr", f"{lr:.2g}", "--warmup", str(args.warmup)], args, out_dir, "demo")
+def launch(label: str, flags, args, out_dir: str) -> dict:
+    return run_train_lm(label, [*flags, "--warmup", str(args.warmup)], args, out_dir, "demo")
 
 
 def table(results) -> str:
@@ -66,13 +66,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"), help="directory for logs, table and plot")
     p.add_argument("--nproc", type=int, default=4, help="local ranks (aer's 2 emulated nodes need an even count)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    p.add_argument("--eval-every", type=int, default=50, help="validation interval")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--seq-len", type=int, default=64, help="context length")
-    p.add_argument("--batch-size", type=int, default=16, help="batch per rank")
-    p.add_argument("--seed", type=int, default=0, help="seed shared by the three runs")
+    add_run_args(p, eval_every=50)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps of every run (default: 30%% of --steps)")
     p.add_argument("--lr", type=float, default=3e-3,
                    help="peak lr of the allreduce (AdamW) run; the decentralized runs scale it (see above)")
@@ -86,8 +80,8 @@ def main(argv=None):
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     results = []
-    for i, (label, lr, flags) in enumerate(runs(args)):
-        results.append((label, launch(label, lr, flags, args, os.path.join(args.out, f"run{i}"))))
+    for i, (label, flags) in enumerate(runs(args)):
+        results.append((label, launch(label, flags, args, os.path.join(args.out, f"run{i}"))))
     total, load_after = time.perf_counter() - start, os.getloadavg()[0]
 
     header = (f"train_lm: {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch_size}"

@@ -1,4 +1,4 @@
-"""Launching examples/train_lm.py under torchrun from a benchmark script (bench/demo.py, bench/adaptive.py): the
+"""Launching examples/train_lm.py under torchrun from a benchmark script (bench/demo.py, quality.py, adaptive.py): the
 same model, data and evaluation flags for every run of a comparison, and its log.json read back."""
 
 import json
@@ -15,22 +15,29 @@ import decent_comm  # noqa: E402
 log = logging.getLogger("bench")
 
 
-def decentralized_adam_lr(allreduce_lr: float, nproc: int, rule: str = "sqrt", accum_steps: int = 1) -> float:
-    """The lr of a decentralized Adam-family run next to an all-reduce AdamW baseline at `allreduce_lr`: rule
-    "sqrt" is decent_comm.decentralized_adam_hparams (sqrt(n), or sqrt(n / accum_steps) for AccumAdam, which
-    says why); "none" keeps the baseline's lr."""
+def decentralized_adam_flags(allreduce_lr: float, nproc: int, accum_steps=None, rule: str = "sqrt"):
+    """train_lm's --lr (two significant digits, so the lr in a table is the lr that ran) and, for AccumAdamW
+    (`accum_steps` given), --accum-steps and the per-window --betas, of a decentralized Adam-family run next to an
+    all-reduce AdamW baseline at (`allreduce_lr`, betas (0.9, 0.999)). rule "sqrt" scales the lr as
+    decent_comm.decentralized_adam_hparams says (sqrt(n), or sqrt(n / accum_steps)); "none" keeps it."""
     if rule not in ("sqrt", "none"):
         raise ValueError(f"unknown lr rule {rule!r} (use 'sqrt' or 'none')")
-    if rule == "none":
-        return allreduce_lr
-    return decent_comm.decentralized_adam_hparams(allreduce_lr, nproc, accum_steps=accum_steps)["lr"]
+    hp = decent_comm.decentralized_adam_hparams(allreduce_lr, nproc, accum_steps=accum_steps or 1)
+    flags = ["--lr", f"{hp['lr'] if rule == 'sqrt' else allreduce_lr:.2g}"]
+    if accum_steps is not None:
+        flags += ["--accum-steps", str(accum_steps), "--betas", f"{hp['betas'][0]:.4g},{hp['betas'][1]:.4g}"]
+    return flags
 
 
-def accum_flags(accum_steps: int):
-    """train_lm flags of an AccumAdamW run next to an AdamW baseline with betas (0.9, 0.999): the per-window betas
-    of decent_comm.decentralized_adam_hparams, which keep the moments' memory in steps equal to AdamW's."""
-    betas = decent_comm.decentralized_adam_hparams(1.0, 1, accum_steps=accum_steps)["betas"]
-    return ["--accum-steps", str(accum_steps), "--betas", f"{betas[0]:.4g},{betas[1]:.4g}"]
+def add_run_args(parser, eval_every: int):
+    """The flags run_train_lm passes to every run of a comparison (model, data, steps, evaluation, seed)."""
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    parser.add_argument("--eval-every", type=int, default=eval_every, help="validation interval")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=128, help="model width")
+    parser.add_argument("--seq-len", type=int, default=64, help="context length")
+    parser.add_argument("--batch-size", type=int, default=16, help="batch per rank")
+    parser.add_argument("--seed", type=int, default=0, help="seed shared by every run")
 
 
 def run_train_lm(label: str, flags, args, out_dir: str, caller: str) -> dict:

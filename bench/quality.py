@@ -5,13 +5,13 @@ For each world size n (default 4 and 8 local CPU ranks) it runs examples/train_l
   allreduce               torch DDP + torch.optim.AdamW at --lr (the baseline)
   dadamw one-peer-exp     decent_comm.DAdamW, one neighbour per step
   dadamw aer              DAdamW on aer, emulating n/2 nodes x 2 ranks (--local-world-size 2)
-  accumadamw one-peer-exp decent_comm.AccumAdamW, with per-window betas (0.9^K, 0.999^K) (see lm_runs.accum_flags)
+  accumadamw one-peer-exp decent_comm.AccumAdamW, with per-window betas (0.9^K, 0.999^K) (see lm_runs.decentralized_adam_flags)
   accumadamw aer          AccumAdamW on aer (n/2 nodes x 2 ranks)
 
 all with the same model, data, seed, warmup-cosine schedule and number of steps, and prints one table per n:
 final validation loss of the global-average model and its gap to all-reduce (target: within 2%).
 
-The lr rule (--lr-rule sqrt, the default; lm_runs.decentralized_adam_lr says why) gives DAdamW sqrt(n) times
+The lr rule (--lr-rule sqrt, the default; decent_comm.decentralized_adam_hparams says why) gives DAdamW sqrt(n) times
 the baseline lr and AccumAdamW sqrt(n / accum_steps) times it; `--lr-rule none` runs every optimizer at --lr.
 
     python bench/quality.py [--nprocs 4,8] [--steps 300] [--lr 3e-3] [--lr-rule sqrt|none] [--quick]
@@ -26,7 +26,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from demo import table  # noqa: E402
-from lm_runs import accum_flags, decentralized_adam_lr, run_train_lm  # noqa: E402
+from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
 
 log = logging.getLogger("quality")
 
@@ -38,13 +38,10 @@ def runs(args, nproc: int):
     """(label, train_lm flags) of the runs at world size nproc, the baseline first."""
     out = [("allreduce", ["--optimizer", "allreduce", "--lr", f"{args.lr:g}"])]
     for opt in args.optimizers:
-        accum = opt.startswith("accum")
-        # Two significant digits, so that the lr in the table is the lr that ran.
-        lr = f"{decentralized_adam_lr(args.lr, nproc, args.lr_rule, args.accum_steps if accum else 1):.2g}"
-        extra = accum_flags(args.accum_steps) if accum else []
+        hp_flags = decentralized_adam_flags(args.lr, nproc, args.accum_steps if opt.startswith("accum") else None,
+                                            args.lr_rule)
         for topo in args.topologies:
-            out.append((f"{opt} {topo}", ["--optimizer", opt, "--topology", topo, "--lr", lr, *extra,
-                                          *TOPOLOGIES[topo]]))
+            out.append((f"{opt} {topo}", ["--optimizer", opt, "--topology", topo, *hp_flags, *TOPOLOGIES[topo]]))
     return out
 
 
@@ -52,14 +49,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "quality"), help="directory for logs and tables")
     p.add_argument("--nprocs", default="4,8", help="comma-separated world sizes (even: aer pairs ranks into nodes)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    add_run_args(p, eval_every=50)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 30%% of --steps)")
-    p.add_argument("--eval-every", type=int, default=50, help="validation interval")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--seq-len", type=int, default=64, help="context length")
-    p.add_argument("--batch-size", type=int, default=16, help="batch per rank")
-    p.add_argument("--seed", type=int, default=0, help="seed shared by every run")
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr of the all-reduce AdamW baseline")
     p.add_argument("--lr-rule", choices=("sqrt", "none"), default="sqrt",
                    help="decentralized Adam-family lr: sqrt(n) x --lr, or --lr itself")
