@@ -50,6 +50,16 @@ struct Typed {
     }
   }
 
+  // self_weight * x_old + sum_j w_j * neighbour_j[i] over a compile-time number of neighbours (the single-pass
+  // loops; run_blocked accumulates neighbour by neighbour instead). Always inlined: a call left in the loop body
+  // (GCC's inliner gives up on some of the large instantiations) would keep the loop scalar.
+  template <int K>
+  __attribute__((always_inline)) inline M mixed_at(int64_t i, M x_old) const {
+    M mixed = self_weight * x_old;
+    for (int j = 0; j < K; ++j) mixed += weights[j] * static_cast<M>(neighbors[j][i]);
+    return mixed;
+  }
+
   // The local update of element i, given its old value and its mixed value.
   template <typename Update>
   void update(const Hyper<M>& h, int64_t i, M x_old, M mixed) const {
@@ -80,9 +90,7 @@ void run_single_pass(const FusedOperands& o, const HyperParams& hp) {
 #pragma GCC ivdep
     for (int64_t i = begin; i < end; ++i) {
       const M x_old = static_cast<M>(t_local.x[i]);
-      M mixed = t_local.self_weight * x_old;
-      for (int j = 0; j < K; ++j) mixed += t_local.weights[j] * static_cast<M>(t_local.neighbors[j][i]);
-      t_local.template update<Update>(h_local, i, x_old, mixed);
+      t_local.template update<Update>(h_local, i, x_old, t_local.template mixed_at<K>(i, x_old));
     }
   });
 }
@@ -108,8 +116,7 @@ void run_single_pass_tracked(const FusedOperands& o, const HyperParams& hp) {
 #pragma GCC ivdep
           for (int64_t i = 0; i < len; ++i) {
             const M x_old = static_cast<M>(t_local.x[b0 + i]);
-            M mixed = t_local.self_weight * x_old;
-            for (int j = 0; j < K; ++j) mixed += t_local.weights[j] * static_cast<M>(t_local.neighbors[j][b0 + i]);
+            const M mixed = t_local.template mixed_at<K>(b0 + i, x_old);
             sq[i] = (mixed - x_old) * (mixed - x_old);
             t_local.template update<Update>(h_local, b0 + i, x_old, mixed);
           }
