@@ -31,13 +31,17 @@ import decent_comm  # noqa: E402
 
 log = logging.getLogger("examples")
 
-# name -> (decent_comm class, optimizer family). The family picks the default lr and weight decay. AccumAdam
-# has its own: its second moment is built from the mean gradient of each accumulation window, which has less
-# noise than one step's gradient, so at the same lr its steps are larger than Adam's.
+# name -> (decent_comm class, optimizer family). The family picks the default lr, betas and weight decay (see
+# resolve_defaults). AccumAdam has its own: its second moment is built from the mean gradient of each accumulation
+# window, which has less noise than one step's gradient, and its betas act once per window.
 FUSED = {"dsgd": ("DSGD", "sgd"), "dadam": ("DAdam", "adam"), "dadamw": ("DAdamW", "adam"),
          "accumadam": ("AccumAdam", "accum"), "accumadamw": ("AccumAdamW", "accum")}
 TORCH_OPTIMIZERS = {name.lower(): cls for name, cls in vars(torch.optim).items()
                     if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+# The runs whose lr and betas default to the all-reduce AdamW values translated by decentralized_adam_hparams
+# (AccumAdam(W), family "accum", too).
+DECENTRALIZED_ADAM = ("dadam", "dadamw", "decentralized-adam", "decentralized-adamw")
+ADAM_BETAS = (0.9, 0.999)
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -80,7 +84,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                         "adaptive:consensus:one-peer-exp,exp,complete[:kappa=1,interval=10] or "
                         "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive)")
     g.add_argument("--mode", choices=("awc", "atc"), default="awc",
-                   help="awc: communicate while adapting (exchange overlaps forward+backward); atc: adapt then combine")
+                   help="awc: communicate while adapting (exchange overlaps forward+backward; fastest when the network "
+                        "is the bottleneck); atc: adapt then combine (exchange overlaps the forward; better loss at "
+                        "equal steps, docs/quality_results.md)")
     g.add_argument("--local-world-size", type=int, default=None,
                    help="ranks per node for hierarchical topologies (aer); default: LOCAL_WORLD_SIZE from torchrun. "
                         "Smaller than --nproc_per_node emulates several nodes on one machine")
@@ -90,15 +96,17 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="send parameters (decentralized) or gradients (allreduce, DDP bf16 compress hook) as bfloat16")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to this)")
     g.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default depends on the example and the optimizer family: Adam, AccumAdam, SGD)")
+                   help="peak learning rate (default: the example's all-reduce lr for the optimizer family; "
+                        "decentralized Adam-family runs scale it by sqrt(n), AccumAdam by sqrt(n / K): "
+                        "decent_comm.decentralized_adam_hparams)")
     g.add_argument("--lr-schedule", choices=("constant", "cosine", "warmup-cosine"), default="warmup-cosine",
                    help="learning-rate schedule over --steps")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps of warmup-cosine (default: 10%% of --steps)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps of warmup-cosine (default: 30%% of --steps)")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine schedules decay to this fraction of --lr")
     g.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: 0 for SGD, else 0.01)")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (dsgd, allreduce-sgd, decentralized-sgd)")
-    g.add_argument("--betas", type=lambda s: tuple(float(b) for b in s.split(",")), default=(0.9, 0.999),
-                   help="Adam betas, 'beta1,beta2'")
+    g.add_argument("--betas", type=lambda s: tuple(float(b) for b in s.split(",")), default=None,
+                   help="Adam betas, 'beta1,beta2' (default 0.9,0.999; AccumAdam: per window, 0.9^K,0.999^K)")
     g.add_argument("--accum-steps", type=int, default=4, help="AccumAdam(W): steps per moment-accumulation window")
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="clip the gradient norm (allreduce: of the averaged gradient; decentralized: of each rank's "
@@ -135,15 +143,27 @@ def optimizer_family(name: str) -> str:
     return "sgd" if inner == "sgd" else "adam"
 
 
-def resolve_defaults(args, lr_defaults: Dict[str, float]):
-    """Fills the flags whose default depends on the optimizer family or on other flags."""
+def resolve_defaults(args, lr_defaults: Dict[str, float], world_size: int = 1):
+    """Fills the flags whose default depends on the optimizer family, the world size or other flags.
+
+    lr_defaults holds the example's all-reduce lr per family ("adam", "sgd"). A decentralized Adam-family run
+    (dadam(w), accumadam(w), decentralized-adam(w)) that leaves --lr / --betas unset gets the all-reduce Adam
+    values translated by decent_comm.decentralized_adam_hparams: lr x sqrt(n) (AccumAdam: sqrt(n / K)) and, for
+    AccumAdam, per-window betas (0.9^K, 0.999^K)."""
     family = optimizer_family(args.optimizer)
+    decentralized_adam = family == "accum" or args.optimizer in DECENTRALIZED_ADAM
+    hp = decent_comm.decentralized_adam_hparams(lr_defaults["adam"], world_size,
+                                               accum_steps=args.accum_steps if family == "accum" else 1)
     if args.lr is None:
-        args.lr = lr_defaults.get(family, lr_defaults["adam"])
+        args.lr = hp["lr"] if decentralized_adam else lr_defaults.get(family, lr_defaults["adam"])
+    if args.betas is None:
+        args.betas = hp["betas"] if decentralized_adam else ADAM_BETAS
     if args.weight_decay is None:
         args.weight_decay = 0.0 if family == "sgd" else 0.01
     if args.warmup is None:
-        args.warmup = max(1, args.steps // 10) if args.lr_schedule == "warmup-cosine" else 0
+        # 30%: the larger lr of the decentralized Adam runs needs it (docs/quality_results.md), and the all-reduce
+        # baseline gains from it too.
+        args.warmup = max(1, args.steps * 3 // 10) if args.lr_schedule == "warmup-cosine" else 0
     if args.checkpoint_every is None:
         args.checkpoint_every = args.eval_every
     return args
@@ -577,7 +597,7 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
     env = init_distributed(args.device)
     setup_logging(env.rank)
     torch.set_num_threads(args.threads)
-    resolve_defaults(args, lr_defaults)
+    resolve_defaults(args, lr_defaults, env.world_size)
     torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizers also broadcast it)
     task = build_task(args, env)
     model = task.model.to(env.device)

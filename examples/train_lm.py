@@ -29,10 +29,10 @@ import common  # noqa: E402
 import data  # noqa: E402
 
 VOCAB = 256  # bytes
-# Peak lr per optimizer family for the default model, 300 steps (docs/demo_results.md): Adam family the best
-# of {1.5e-3, 3e-3, 6e-3} for both allreduce and dadamw; AccumAdam the best of {7.5e-4, 1e-3, 1.5e-3, 3e-3};
-# SGD (0.3 with momentum 0.9) is a reasonable setting, not a tuned one.
-LR_DEFAULTS = {"adam": 3e-3, "accum": 1.5e-3, "sgd": 0.3}
+# All-reduce peak lr per optimizer family for the default model, 300 steps (docs/demo_results.md); decentralized
+# Adam-family runs scale the Adam value (common.resolve_defaults, docs/quality_results.md). SGD (0.3 with
+# momentum 0.9) is a reasonable setting, not a tuned one.
+LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.3}
 
 
 class CausalSelfAttention(nn.Module):

@@ -48,6 +48,36 @@ def test_flag_parsing():
     assert common.optimizer_family("dsgd") == "sgd" and common.optimizer_family("allreduce") == "adam"
 
 
+def _defaults(argv, world_size):
+    import train_lm  # examples/ is on sys.path
+
+    return common.resolve_defaults(train_lm.parse_args(argv), train_lm.LR_DEFAULTS, world_size)
+
+
+def test_decentralized_adam_defaults_follow_the_lr_rule():
+    # All-reduce keeps the example's lr and AdamW's betas at any world size.
+    a = _defaults(["--optimizer", "allreduce"], 8)
+    assert (a.lr, a.betas, a.weight_decay, a.warmup) == (3e-3, (0.9, 0.999), 0.01, 90)
+    # DAdamW on n ranks: sqrt(n) x the all-reduce lr, same betas.
+    for name in ("dadamw", "dadam", "decentralized-adamw"):
+        d = _defaults(["--optimizer", name], 8)
+        assert d.lr == pytest.approx(3e-3 * math.sqrt(8)) and d.betas == (0.9, 0.999)
+    # AccumAdamW with K = 4: sqrt(n / K) (never below 1) and per-window betas.
+    for n, factor in ((2, 1.0), (4, 1.0), (16, 2.0)):
+        c = _defaults(["--optimizer", "accumadamw"], n)
+        assert c.lr == pytest.approx(3e-3 * factor)
+        assert c.betas == pytest.approx((0.9 ** 4, 0.999 ** 4))
+    c = _defaults(["--optimizer", "accumadamw", "--accum-steps", "2"], 8)
+    assert c.lr == pytest.approx(3e-3 * 2.0) and c.betas == pytest.approx((0.81, 0.999 ** 2))
+    # Flags given on the command line win; SGD-family runs are not scaled.
+    e = _defaults(["--optimizer", "dadamw", "--lr", "1e-3", "--betas", "0.8,0.99", "--warmup", "5"], 8)
+    assert (e.lr, e.betas, e.warmup) == (1e-3, (0.8, 0.99), 5)
+    s = _defaults(["--optimizer", "dsgd"], 8)
+    assert (s.lr, s.weight_decay) == (0.3, 0.0)
+    r = _defaults(["--optimizer", "decentralized-rmsprop"], 8)
+    assert r.lr == 3e-3
+
+
 def test_lr_schedules():
     import torch
     for kind, first, last in (("constant", 1.0, 1.0), ("cosine", 1.0, 0.1), ("warmup-cosine", 0.25, 0.1)):
