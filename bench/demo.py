@@ -9,6 +9,10 @@ Runs examples/train_lm.py three times with torchrun (python -m torch.distributed
   accumadamw   decent_comm.AccumAdamW on aer, emulating 2 nodes x 2 ranks (--local-world-size 2), at
                sqrt(nproc / 4) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.decentralized_adam_flags)
 
+The decentralized runs use --mode (default atc: each rank's local step is mixed with its neighbours' before the
+next forward, with the exchange overlapping that forward; at equal steps it trains as well as all-reduce, awc
+does not on this short run: docs/quality_results.md).
+
 then prints the final validation loss (of the global-average model), mean step time and speedup over
 all-reduce, writes the table to OUT/results.md and all three loss curves to OUT/demo.png. Sized to finish
 in a few minutes on a 2-core machine; the flags below trade time for fidelity.
@@ -36,8 +40,10 @@ def runs(args):
     return [
         ("allreduce", ["--optimizer", "allreduce", "--lr", f"{args.lr:.2g}"]),
         ("dadamw one-peer-exp",
-         ["--optimizer", "dadamw", "--topology", "one-peer-exp", *decentralized_adam_flags(args.lr, args.nproc)]),
+         ["--optimizer", "dadamw", "--topology", "one-peer-exp", "--mode", args.mode,
+          *decentralized_adam_flags(args.lr, args.nproc)]),
         ("accumadamw aer 2x2", ["--optimizer", "accumadamw", "--topology", "aer", "--local-world-size", "2",
+                                "--mode", args.mode,
                                 *decentralized_adam_flags(args.lr, args.nproc, accum_steps=ACCUM_STEPS)]),
     ]
 
@@ -70,6 +76,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warmup steps of every run (default: 30%% of --steps)")
     p.add_argument("--lr", type=float, default=3e-3,
                    help="peak lr of the allreduce (AdamW) run; the decentralized runs scale it (see above)")
+    p.add_argument("--mode", choices=("atc", "awc"), default="atc", help="mode of the decentralized runs")
     p.add_argument("--quick", action="store_true", help="30 steps, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
@@ -85,7 +92,7 @@ def main(argv=None):
     total, load_after = time.perf_counter() - start, os.getloadavg()[0]
 
     header = (f"train_lm: {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch_size}"
-              f"/rank, {args.steps} steps (warmup {args.warmup}), {args.nproc} CPU ranks (gloo), seed {args.seed}; demo wall time {total:.0f} s "
+              f"/rank, {args.steps} steps (warmup {args.warmup}), {args.nproc} CPU ranks (gloo), seed {args.seed}, decentralized mode {args.mode}; demo wall time {total:.0f} s "
               f"on {os.cpu_count()} cores (load average {load_before:.1f} before, {load_after:.1f} after)")
     text = f"{header}\n\n{table(results)}\n"
     print("\n" + text)

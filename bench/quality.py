@@ -8,13 +8,15 @@ For each world size n (default 4 and 8 local CPU ranks) it runs examples/train_l
   accumadamw one-peer-exp decent_comm.AccumAdamW, with per-window betas (0.9^K, 0.999^K) (see lm_runs.decentralized_adam_flags)
   accumadamw aer          AccumAdamW on aer (n/2 nodes x 2 ranks)
 
-all with the same model, data, seed, warmup-cosine schedule and number of steps, and prints one table per n:
+each decentralized run in both modes, atc (adapt then combine: the local step is mixed before the next forward)
+and awc (communicate while adapting: the mix of x^t overlaps the whole next forward+backward), all with the same
+model, data, seed, warmup-cosine schedule and number of steps, and prints one table per n:
 final validation loss of the global-average model and its gap to all-reduce (target: within 2%).
 
 The lr rule (--lr-rule sqrt, the default; decent_comm.decentralized_adam_hparams says why) gives DAdamW sqrt(n) times
 the baseline lr and AccumAdamW sqrt(n / accum_steps) times it; `--lr-rule none` runs every optimizer at --lr.
 
-    python bench/quality.py [--nprocs 4,8] [--steps 300] [--lr 3e-3] [--lr-rule sqrt|none] [--quick]
+    python bench/quality.py [--nprocs 4,8] [--modes atc,awc] [--steps 300] [--lr 3e-3] [--lr-rule sqrt|none] [--quick]
 """
 
 import argparse
@@ -31,6 +33,7 @@ from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa
 log = logging.getLogger("quality")
 
 OPTIMIZERS = ("dadamw", "accumadamw")
+MODES = ("atc", "awc")
 TOPOLOGIES = {"one-peer-exp": [], "aer": ["--local-world-size", "2"]}
 
 
@@ -41,7 +44,9 @@ def runs(args, nproc: int):
         hp_flags = decentralized_adam_flags(args.lr, nproc, args.accum_steps if opt.startswith("accum") else None,
                                             args.lr_rule)
         for topo in args.topologies:
-            out.append((f"{opt} {topo}", ["--optimizer", opt, "--topology", topo, *hp_flags, *TOPOLOGIES[topo]]))
+            for mode in args.modes:
+                out.append((f"{opt} {topo} {mode}", ["--optimizer", opt, "--topology", topo, "--mode", mode, *hp_flags,
+                                                     *TOPOLOGIES[topo]]))
     return out
 
 
@@ -57,6 +62,7 @@ def main(argv=None):
     p.add_argument("--accum-steps", type=int, default=4, help="AccumAdamW's accumulation window")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="decentralized optimizers to run")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="topologies to run them on")
+    p.add_argument("--modes", default=",".join(MODES), help="decentralized modes to run each in (atc, awc)")
     p.add_argument("--quick", action="store_true", help="30 steps at 4 ranks, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
@@ -65,6 +71,10 @@ def main(argv=None):
         args.warmup = max(1, args.steps * 3 // 10)
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     args.topologies = [t for t in args.topologies.split(",") if t]
+    args.modes = [m for m in args.modes.split(",") if m]
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"--modes: {m!r} is not one of {', '.join(MODES)}")
     for t in args.topologies:
         if t not in TOPOLOGIES:
             p.error(f"--topologies: {t!r} is not one of {', '.join(TOPOLOGIES)}")

@@ -10,8 +10,9 @@ accum_steps of the noise: its factor is sqrt(n / accum_steps) (never below 1).
 Why AccumAdam's betas change: they act once per window, so with the per-step values the moments remember
 accum_steps times more steps than AdamW's; raising them to the power accum_steps keeps the memory in steps.
 
-Measured on train_lm (docs/quality_results.md): with these rules and a 30% warmup, DAdamW lands within 1-2% of
-the all-reduce AdamW run at equal steps; without them it trails by 5-6% (4 ranks).
+Measured on train_lm (docs/quality_results.md): with these rules and a 30% warmup, DAdamW and AccumAdamW in ATC
+mode land within 2% of the all-reduce AdamW run at equal steps (4 and 8 ranks); without them DAdamW trails by
+5-6% (4 ranks).
 """
 
 import math
