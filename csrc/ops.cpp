@@ -155,6 +155,17 @@ std::vector<Named> named_outputs(const at::Tensor& x, std::vector<Named> state,
   return state;
 }
 
+// Checks the op's float32 state buffers against x and hands them to the kernel in order (o.state[0], [1], ...);
+// returns them named, for named_outputs. One list per op drives both, so they cannot disagree.
+std::vector<Named> set_state(const char* op, FusedOperands& o, const at::Tensor& x, std::vector<Named> state) {
+  TORCH_INTERNAL_ASSERT(state.size() <= size_t(kMaxState), op, ": too many state buffers");
+  for (size_t q = 0; q < state.size(); ++q) {
+    check_state(op, state[q].first.c_str(), *state[q].second, x);
+    o.state[q] = float_ptr(*state[q].second);
+  }
+  return state;
+}
+
 // Validates the Adam-family hyper-parameters and fills them in, with the bias corrections for
 // `bias_steps` moment updates (the step for Adam; the window count for AccumAdam).
 HyperParams adam_hyper(const char* op, int64_t step, double bias_steps, double lr, double beta1, double beta2,
@@ -213,14 +224,12 @@ void mix_sgd_impl(const at::Tensor& x, at::TensorList neighbors, double self_wei
   hp.nesterov = nesterov;
   hp.first_step = first_step;
   UpdateKind kind = UpdateKind::Sgd;
+  std::vector<Named> state;
   if (momentum != 0) {
     TORCH_CHECK(momentum_buffer.has_value(), op, ": momentum_buffer is required when momentum != 0");
-    check_state(op, "momentum_buffer", *momentum_buffer, x);
-    o.state[0] = float_ptr(*momentum_buffer);
+    state = set_state(op, o, x, {{"momentum_buffer", &*momentum_buffer}});
     kind = UpdateKind::SgdMomentum;
   }
-  std::vector<Named> state;
-  if (kind == UpdateKind::SgdMomentum) state.emplace_back("momentum_buffer", &*momentum_buffer);
   check_no_overlap(op, named_outputs(x, state, disagreement), named_inputs(neighbors, &grad));
   run(kind, o, hp, x);
 }
@@ -233,14 +242,10 @@ void mix_adam_impl(const at::Tensor& x, at::TensorList neighbors, double self_we
   const char* op = "decent_comm.mix_adam_";
   FusedOperands o = check_mix(op, x, neighbors, self_weight, weights);
   check_grad(op, o, grad, x);
-  check_state(op, "exp_avg", exp_avg, x);
-  check_state(op, "exp_avg_sq", exp_avg_sq, x);
+  const auto state = set_state(op, o, x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
   set_disagreement(op, o, disagreement, x);
   const HyperParams hp = adam_hyper(op, step, double(step), lr, beta1, beta2, eps, weight_decay, decoupled);
-  o.state[0] = float_ptr(exp_avg);
-  o.state[1] = float_ptr(exp_avg_sq);
-  check_no_overlap(op, named_outputs(x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}, disagreement),
-                   named_inputs(neighbors, &grad));
+  check_no_overlap(op, named_outputs(x, state, disagreement), named_inputs(neighbors, &grad));
   run(UpdateKind::Adam, o, hp, x);
 }
 
@@ -252,9 +257,7 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
   const char* op = "decent_comm.mix_accum_adam_";
   FusedOperands o = check_mix(op, x, neighbors, self_weight, weights);
   check_grad(op, o, grad, x);
-  check_state(op, "exp_avg", exp_avg, x);
-  check_state(op, "exp_avg_sq", exp_avg_sq, x);
-  check_state(op, "accum", accum, x);
+  const auto state = set_state(op, o, x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"accum", &accum}});
   set_disagreement(op, o, disagreement, x);
   TORCH_CHECK(accum_steps >= 1, op, ": accum_steps must be >= 1, got ", accum_steps);
   // Bias correction counts windows, k = ceil(t / K): M and V have been updated k - 1 times, and the
@@ -263,13 +266,7 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
   HyperParams hp = adam_hyper(op, step, windows, lr, beta1, beta2, eps, weight_decay, decoupled);
   hp.accum_steps = double(accum_steps);
   hp.flush = step % accum_steps == 0;
-  o.state[0] = float_ptr(exp_avg);
-  o.state[1] = float_ptr(exp_avg_sq);
-  o.state[2] = float_ptr(accum);
-  check_no_overlap(op,
-                   named_outputs(x, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"accum", &accum}},
-                                 disagreement),
-                   named_inputs(neighbors, &grad));
+  check_no_overlap(op, named_outputs(x, state, disagreement), named_inputs(neighbors, &grad));
   run(UpdateKind::AccumAdam, o, hp, x);
 }
 
