@@ -45,6 +45,8 @@ def launch(label, topology, args, out_dir):
     flags = ["--optimizer", args.optimizer, "--topology", topology, "--log-every", str(args.eval_every)]
     if args.lr is not None:
         flags += ["--lr", str(args.lr)]
+    if args.warmup is not None:
+        flags += ["--warmup", str(args.warmup)]
     result = run_train_lm(label, flags, args, out_dir, "bench/adaptive")
     result["topology_flag"] = topology
     return result
@@ -148,7 +150,10 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=8, help="local ranks")
     add_run_args(p, eval_every=25)
     p.add_argument("--optimizer", default="dadamw")
-    p.add_argument("--lr", type=float, default=None, help="peak lr (default: train_lm's for the optimizer)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak lr (default: train_lm's for the optimizer and world size; docs/adaptive_results.md ran 3e-3)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warmup steps (default: train_lm's, 30%% of --steps; docs/adaptive_results.md ran 30)")
     p.add_argument("--adaptive", default=DEFAULT_ADAPTIVE, help="--topology of the adaptive run")
     p.add_argument("--phase", default=None, help="also run this adaptive:phase:... schedule (label 'phase')")
     p.add_argument("--variant", action="append", metavar="LABEL=SPEC",
