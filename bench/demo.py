@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import common  # noqa: E402
 from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
 
+from decent_comm.optim import MODES  # noqa: E402  (lm_runs put the repository on sys.path)
+
 log = logging.getLogger("demo")
 
 
@@ -76,7 +78,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warmup steps of every run (default: 30%% of --steps)")
     p.add_argument("--lr", type=float, default=3e-3,
                    help="peak lr of the allreduce (AdamW) run; the decentralized runs scale it (see above)")
-    p.add_argument("--mode", choices=("atc", "awc"), default="atc", help="mode of the decentralized runs")
+    p.add_argument("--mode", choices=MODES, default="atc", help="mode of the decentralized runs")
     p.add_argument("--quick", action="store_true", help="30 steps, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:

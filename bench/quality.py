@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from demo import table  # noqa: E402
 from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
 
+from decent_comm.optim import MODES  # noqa: E402  (lm_runs put the repository on sys.path)
+
 log = logging.getLogger("quality")
 
 OPTIMIZERS = ("dadamw", "accumadamw")
-MODES = ("atc", "awc")
 TOPOLOGIES = {"one-peer-exp": [], "aer": ["--local-world-size", "2"]}
 
 
@@ -50,6 +51,15 @@ def runs(args, nproc: int):
     return out
 
 
+def choice_list(parser, flag: str, value: str, allowed):
+    """The comma-separated items of `value`; a parser error names any that is not in `allowed`."""
+    items = [v for v in value.split(",") if v]
+    for v in items:
+        if v not in allowed:
+            parser.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
+    return items
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "quality"), help="directory for logs and tables")
@@ -62,7 +72,7 @@ def main(argv=None):
     p.add_argument("--accum-steps", type=int, default=4, help="AccumAdamW's accumulation window")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="decentralized optimizers to run")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="topologies to run them on")
-    p.add_argument("--modes", default=",".join(MODES), help="decentralized modes to run each in (atc, awc)")
+    p.add_argument("--modes", default="atc,awc", help=f"decentralized modes to run each in ({', '.join(MODES)})")
     p.add_argument("--quick", action="store_true", help="30 steps at 4 ranks, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
@@ -70,14 +80,8 @@ def main(argv=None):
     if args.warmup is None:
         args.warmup = max(1, args.steps * 3 // 10)
     args.optimizers = [o for o in args.optimizers.split(",") if o]
-    args.topologies = [t for t in args.topologies.split(",") if t]
-    args.modes = [m for m in args.modes.split(",") if m]
-    for m in args.modes:
-        if m not in MODES:
-            p.error(f"--modes: {m!r} is not one of {', '.join(MODES)}")
-    for t in args.topologies:
-        if t not in TOPOLOGIES:
-            p.error(f"--topologies: {t!r} is not one of {', '.join(TOPOLOGIES)}")
+    args.topologies = choice_list(p, "--topologies", args.topologies, TOPOLOGIES)
+    args.modes = choice_list(p, "--modes", args.modes, MODES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s quality: %(message)s", datefmt="%H:%M:%S")
 
     sections, summary = [], {}

@@ -151,13 +151,15 @@ def resolve_defaults(args, lr_defaults: Dict[str, float], world_size: int = 1):
     values translated by decent_comm.decentralized_adam_hparams: lr x sqrt(n) (AccumAdam: sqrt(n / K)) and, for
     AccumAdam, per-window betas (0.9^K, 0.999^K)."""
     family = optimizer_family(args.optimizer)
-    decentralized_adam = family == "accum" or args.optimizer in DECENTRALIZED_ADAM
-    hp = decent_comm.decentralized_adam_hparams(lr_defaults["adam"], world_size,
-                                               accum_steps=args.accum_steps if family == "accum" else 1)
+    if family == "accum" or args.optimizer in DECENTRALIZED_ADAM:
+        hp = decent_comm.decentralized_adam_hparams(lr_defaults["adam"], world_size,
+                                                   accum_steps=args.accum_steps if family == "accum" else 1)
+    else:
+        hp = {"lr": lr_defaults.get(family, lr_defaults["adam"]), "betas": ADAM_BETAS}
     if args.lr is None:
-        args.lr = hp["lr"] if decentralized_adam else lr_defaults.get(family, lr_defaults["adam"])
+        args.lr = hp["lr"]
     if args.betas is None:
-        args.betas = hp["betas"] if decentralized_adam else ADAM_BETAS
+        args.betas = hp["betas"]
     if args.weight_decay is None:
         args.weight_decay = 0.0 if family == "sgd" else 0.01
     if args.warmup is None:
