@@ -83,7 +83,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help=f"gossip topology: {', '.join(decent_comm.topology.NAMES)}, or an adaptive spec: "
                         "adaptive:consensus:one-peer-exp,exp,complete[:kappa=1,interval=10] or "
                         "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive)")
-    g.add_argument("--mode", choices=("awc", "atc"), default="awc",
+    g.add_argument("--mode", choices=decent_comm.optim.MODES, default="awc",
                    help="awc: communicate while adapting (exchange overlaps forward+backward; fastest when the network "
                         "is the bottleneck); atc: adapt then combine (exchange overlaps the forward; better loss at "
                         "equal steps, docs/quality_results.md)")
