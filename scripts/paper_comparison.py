@@ -230,7 +230,7 @@ def render(rows: list, grid_lines: list, elapsed: float) -> str:
              " inter-node step each of the L ranks of a node sends its buffer to its counterpart, L buffers per NIC.")
     L.append("- AER, **decent_comm pair**: `make(\"aer\", inter=\"pair\")`, the same alternation whose inter-node"
              " step averages the whole node pair; the optimizers run every such step as one all-reduce per group"
-             " (`exchange=\"auto\"`, decent_comm/optim/groups.py), modelled with"
+             " (`exchange=\"auto\"`, decent_comm/optim/plan.py, decent_comm/exchange/group_allreduce.py), modelled with"
              " `Workload(exchange=\"group-allreduce\")`.")
     L.append("- closed = closed form, sim = discrete-event simulation (500 steps, 50 warm-up). gamma = All-Reduce"
              " communication / compute; omega = gossip communication / All-Reduce communication (paper AER).")

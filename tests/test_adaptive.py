@@ -163,7 +163,7 @@ def _replica_variance_mode(rank, n, mode):
         opt.step()
         rv = opt.replica_variance(every=3, names=model)
         if rv is None:
-            out.append((opt._t, None))
+            out.append((opt._schedule.t, None))
             continue
         # the reference: every replica gathered, statistics straight from the definitions, in float64
         mine = [p.detach().double().reshape(-1).clone() for p in model.parameters()]
@@ -177,7 +177,7 @@ def _replica_variance_mode(rank, n, mode):
             want[name] = dict(variance=float(X.var(0, unbiased=False).mean()), norm=float(v.norm()),
                               norm_rms=float(X.norm(dim=1).pow(2).mean().sqrt()), avg_norm=float(X.mean(0).norm()),
                               numel=X.shape[1])
-        out.append((opt._t, (rv, want, opt.consensus_distance())))
+        out.append((opt._schedule.t, (rv, want, opt.consensus_distance())))
     opt.shutdown()
     return out
 
@@ -220,7 +220,7 @@ def uniform_group(W, rank):
 
 def expected_bytes(schedule, rank, steps, bucket_bytes):
     """Point to point: one buffer per send peer; a uniform averaging group of >= 3 ranks is one all-reduce,
-    2 (|G| - 1) / |G| buffers (decent_comm.optim.groups)."""
+    2 (|G| - 1) / |G| buffers (decent_comm.optim.plan.GroupSteps)."""
     total = 0
     for t in steps:
         g = uniform_group(np.asarray(schedule.matrix(t)), rank)
@@ -336,8 +336,8 @@ def _same_decisions(rank, n):
         model = make_model(rank)
         opt = decent_comm.DAdamW(model.parameters(), lr=0.01, mode=mode, broadcast_init=False, timeout=30,
                                  topology=T.Adaptive(list(topos.values()), ThresholdPolicy()))
-        opt._adapt_local_stats = lambda: torch.tensor(random_local_stats(rank, opt._t if mode == "atc" else opt._t)
-                                                      + [opt._lr0()], dtype=torch.float64)
+        opt._schedule.adaptive._local_stats = lambda: torch.tensor(random_local_stats(rank, opt._schedule.t)
+                                                                   + [opt._lr0()], dtype=torch.float64)
         for t in range(STEPS):
             x, y = batch(rank, t)
             opt.zero_grad()

@@ -22,7 +22,7 @@ def topologies(n):
     out = {name: T.make(name, n) for name in ["one-peer-exp", "ring", "exp"]}
     if n in (2, 4):
         out["aer"] = T.make("aer", n, local_world_size=n // 2)
-    if n == 4:  # its inter-node step averages all 4 ranks: run as a group all-reduce (decent_comm.optim.groups)
+    if n == 4:  # its inter-node step averages all 4 ranks: run as a group all-reduce (decent_comm.optim.plan.GroupSteps)
         out["aer-pair"] = T.make("aer", n, local_world_size=2, inter="pair")
     out["custom"] = T.from_matrix([doubly_stochastic(n, 1), doubly_stochastic(n, 2)])
     return out
@@ -79,7 +79,8 @@ def _group_steps(rank, n):
     run as group all-reduces (checked: bytes went through them), against the dense simulation."""
     topo = T.make("aer", n, local_world_size=3, inter="pair")
     used = []
-    probe = lambda opt: used.append(opt._groups is not None and opt._groups.bytes_sent > 0)  # noqa: E731
+    probe = lambda opt: used.append(opt._schedule.exchange.groups is not None  # noqa: E731
+                                   and opt._schedule.exchange.groups.bytes_sent > 0)
     errs = {mode: run_against_reference(rank, n, "dadamw", topo, mode, steps=8, probe=probe) for mode in ("awc", "atc")}
     errs["consensus"] = run_against_reference(rank, n, "dsgd", topo, "awc", steps=6, consensus=0.5, probe=probe)
     errs["group path used"] = 0.0 if all(used) and len(used) == 3 else 1.0

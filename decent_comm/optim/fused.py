@@ -36,7 +36,7 @@ _DOC_OPTIONS = """
             third of the kernel's time (mix_adam_, 4M floats, 1 neighbour, 2 threads: 4.6 ms -> 6.2 ms).
         exchange: "auto" runs every step whose mixing is uniform averaging within groups of >= 3 ranks
             (complete, intra-node averaging, aer with inter="pair", ...) as one all-reduce per group, which moves
-            fewer bytes than point-to-point gossip; "p2p" never does (see decent_comm.optim.groups).
+            fewer bytes than point-to-point gossip; "p2p" never does (see decent_comm.optim.plan.GroupSteps).
 """
 
 

@@ -1,9 +1,10 @@
 """decent_comm.Decentralized: makes any torch.optim optimizer decentralized (unfused; correctness over
-speed). The inner optimizer computes the local update; this wrapper adds the gossip mix around it."""
+speed). The inner optimizer computes the local update; the shared gossip schedule mixes around it."""
 
 import torch
 
 from .. import ops
+from .adaptation import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
 
@@ -39,64 +40,31 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def __repr__(self):
         return f"Decentralized({self.inner!r}, topology={self.topology.name!r}, mode={self.mode!r})"
 
-    @torch.no_grad()
-    def _step_awc(self, skip_update: bool):
-        plan = self._inflight
-        if plan is None or plan.step != self._t:
-            plan = self._plan(self._t)
-            self._launch(plan)
+    def _update_awc(self, plan, skip_update: bool, measure: bool):
+        """mix(x^t) - x^t per bucket, then the inner step at x^t, then the mix added on top."""
         deltas = []
-        self._begin_disagreement()
         for b in self._buckets:
-            nbs = self._wait(b, plan)
+            nbs = self._schedule.received(b, plan)
             mixed = b.flat.clone()
-            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._dis_slot(b, 0))
+            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._schedule.meter.slot(b, 0))
             deltas.append(mixed.sub_(b.flat))
-        self._end_disagreement(plan)
-        measure = self._wants_step_sq(self._t + 1)
         refs = [b.flat.clone() for b in self._buckets] if measure else None
-        if not skip_update:
-            self.inner.step()
-        if measure:
-            self._step_sq = self._sum_scalars([self._sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)])
+        self._update_local(skip_update)
+        step_sq = sum_scalars([sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)]) if measure else None
         for b, delta in zip(self._buckets, deltas):
             b.flat.add_(delta)
-        self._t += 1
-        self._launch(self._plan(self._t))
+        return step_sq
 
-    @torch.no_grad()
-    def _step_atc(self, skip_update: bool):
-        if self._pending_mix:
-            self._apply_pending_mix()
-        measure = self._wants_step_sq(self._t)
-        refs = [b.flat.clone() for b in self._buckets] if measure else None
+    def _update_local(self, skip_update: bool):
         if not skip_update:
             self.inner.step()
-        if measure:
-            self._step_sq = self._sum_scalars([self._sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)])
-        plan = self._plan(self._t)
-        self._launch(plan)
-        if plan.recv or plan.self_weight != 1.0:
-            self._pending_mix = {b.index for b in self._buckets}
-            self._atc_fresh = True
-        self._t += 1
 
-    def state_dict(self):
-        self.synchronize()
-        sd = self.inner.state_dict()
-        next_plan = self._inflight if self._inflight is not None and self._inflight.step == self._t else None
-        sd["decentralized"] = dict(step=self._t, next_factor=next_plan.factor if next_plan is not None else None,
-                                   topology=self.topology.fingerprint(), mode=self.mode,
-                                   consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict")
-                                   else None, adaptive=self._adaptive_state())
-        return sd
+    def _optimizer_state_dict(self) -> dict:
+        return self.inner.state_dict()
 
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("decentralized", None)
+    def _load_optimizer_state_dict(self, state_dict: dict):
         self.inner.load_state_dict(state_dict)
         # torch's load_state_dict replaces the inner optimizer's param_groups (and state) by new objects: share
         # them again, or an lr scheduler attached to this wrapper would update groups the inner step never reads
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._restore_schedule(extra)

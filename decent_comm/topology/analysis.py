@@ -70,7 +70,7 @@ def finite_time_exact(topology: Topology, tol: float = 1e-9) -> bool:
 
 
 #: Groups smaller than this gain nothing from an all-reduce over point-to-point gossip (same bytes); the
-#: optimizers (decent_comm.optim.groups) and the runtime model's exchange="auto" both use it.
+#: optimizers (decent_comm.optim.plan) and the runtime model's exchange="auto" both use it.
 MIN_ALLREDUCE_GROUP = 3
 
 
@@ -82,7 +82,7 @@ def averaging_groups(topology: Topology, step: int, tol: float = 1e-9):
     intra-node averaging or the node-pair averaging of the seed library's
     alternating exponential ring.  Such a step can be run as one all-reduce
     per group instead of point-to-point messages (the optimizers do, see
-    ``decent_comm.optim.gossip``; the runtime model with
+    ``decent_comm.optim.plan``; the runtime model with
     ``Workload.exchange = "group-allreduce"``).  Returns sorted tuples of
     ranks (singletons included).  Cost O(n * degree).
     """

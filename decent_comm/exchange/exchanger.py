@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._native import _C
+from .._native import _C
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
 

@@ -1,0 +1,74 @@
+"""``GossipExchange``: the point-to-point ``Exchanger`` and the ``GroupAllReduce`` behind one interface.
+
+    ex = GossipExchange(process_group, device, timeout=None, wire_dtype=None, groups=())
+    ex.exchange(bucket, send, recvs, send_to=[...], recv_from=[...])   # point to point
+    ex.exchange(bucket, send, [total], group=(0, 1, 2))                # total <- the group's sum of send
+    ex.wait(bucket); ex.wait_all(); ex.synchronize(); ex.bytes_sent; ex.shutdown()
+
+``groups`` lists every averaging group any rank will use (the same list on every rank); none: no group
+all-reduce is set up. Construction is collective (the Exchanger over the group, the groups over the default
+group), in this order on every rank.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Sequence
+
+import torch
+
+from .exchanger import Exchanger
+from .group_allreduce import GroupAllReduce
+
+
+class GossipExchange:
+    def __init__(self, process_group, device: torch.device, *, timeout=None, wire_dtype=None,
+                 groups: Iterable[Sequence[int]] = ()):
+        self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
+        groups = list(groups)
+        self.groups: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
+                                                 if groups else None)
+        self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
+
+    def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], *,
+                 send_to: Sequence[int] = (), recv_from: Sequence[int] = (), group: Optional[Sequence[int]] = None):
+        if group is not None:
+            if self.groups is None:
+                raise ValueError(f"GossipExchange.exchange(bucket={bucket}): group {list(group)} given but no "
+                                 "averaging groups were set up")
+            if send_to or recv_from:
+                raise ValueError(f"GossipExchange.exchange(bucket={bucket}): a group step has no send_to/recv_from")
+            self.groups.exchange(bucket, send, recvs, group)
+            self._route[bucket] = self.groups
+        else:
+            self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
+            self._route[bucket] = self.p2p
+
+    def wait(self, bucket: int):
+        path = self._route.get(bucket)
+        (path or self.p2p).wait(bucket)  # an unknown bucket: the Exchanger's error names it
+
+    def _paths(self):
+        return [self.p2p] + ([self.groups] if self.groups is not None else [])
+
+    def wait_all(self):
+        for path in self._paths():
+            path.wait_all()
+
+    def synchronize(self):
+        for path in self._paths():
+            path.synchronize()
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(int(path.bytes_sent) for path in self._paths())
+
+    def shutdown(self):
+        """Completes what is in flight and releases both paths (idempotent); the first error is raised after
+        both were released."""
+        first = None
+        for path in self._paths():
+            try:
+                path.shutdown()
+            except Exception as e:  # noqa: BLE001 - release the other path before raising
+                first = first or e
+        if first is not None:
+            raise first

@@ -1,0 +1,146 @@
+"""Averaging-group exchange: a bucket's buffer summed over a group of ranks with one all-reduce.
+
+When a gossip step is uniform averaging within groups (``complete``, intra-node averaging, ``aer`` with
+inter="pair", ``ring`` on 3 ranks, ...), point-to-point gossip makes each rank receive |G| - 1 whole buffers;
+an all-reduce over the group moves 2 (|G| - 1) / |G| buffers per rank and, inside a node pair, about two
+buffers per NIC whatever the number of ranks per node (the seed library, Decent-DP, runs every gossip step
+that way). Which steps qualify is the topology's business (decent_comm.topology.averaging_groups); this
+class only moves bytes.
+
+Same contract and error family as the point-to-point ``Exchanger``:
+
+    ga = GroupAllReduce(groups, process_group=None, timeout=None)   # collective over the default group
+    ga.exchange(bucket, send, recvs, group)   # recvs[0] <- sum over `group` of every member's send; at once
+    ga.wait(bucket); ga.wait_all(); ga.synchronize(); ga.bytes_sent; ga.shutdown()
+
+A member that exits raises ``ExchangeError``; one that does not answer within ``timeout`` raises
+``ExchangeTimeout`` naming the bucket and the group. Either makes the object unusable: every later call
+raises ``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` and leave it usable.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .exchanger import ExchangeError, ExchangeTimeout, _timeout_ms
+
+Group = Tuple[int, ...]
+
+
+class GroupAllReduce:
+    """Asynchronous in-group sums of flat buffers, one process group per averaging group."""
+
+    transport = "group_allreduce"
+
+    def __init__(self, groups: Iterable[Sequence[int]], process_group=None, *, timeout=None):
+        """`groups`: every averaging group any rank will use (ranks of `process_group`); the same set on every
+        rank. Creating the process groups is collective over the default group (dist.new_group), so the
+        whole default group must construct this object, in the same order as its other groups."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("GroupAllReduce: torch.distributed is not initialized (call dist.init_process_group)")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if process_group is not None and self.world_size != dist.get_world_size():
+            raise ValueError("GroupAllReduce needs the default process group (dist.new_group is collective over it)")
+        ms = _timeout_ms(timeout)
+        self.timeout = None if ms < 0 else datetime.timedelta(milliseconds=ms)
+        to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
+        backend = dist.get_backend(process_group)
+        self._pgs: Dict[Group, object] = {}
+        for g in sorted({tuple(sorted(int(r) for r in g)) for g in groups}):
+            if len(g) < 2 or not all(0 <= r < self.world_size for r in g):
+                raise ValueError(f"GroupAllReduce: group {list(g)} must list >= 2 ranks of the {self.world_size}")
+            pg = dist.new_group([to_global(r) for r in g], backend=backend)
+            if self.rank in g:
+                self._pgs[g] = pg
+        self._work: Dict[int, Tuple[object, Group, float]] = {}
+        self._error: Optional[str] = None
+        self._closed = False
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------------------------------------- checks
+
+    def _usable(self, call: str):
+        if self._error is not None:
+            raise ExchangeError(f"decent_comm GroupAllReduce.{call}: unusable after an earlier error; the error "
+                                f"was: {self._error}")
+        if self._closed:
+            raise RuntimeError(f"decent_comm GroupAllReduce.{call}: it has been shut down")
+
+    def _fail(self, exc: Exception) -> Exception:
+        self._error = str(exc)
+        self._work.clear()
+        return exc
+
+    # ---------------------------------------------------------------------------------------- interface
+
+    def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], group: Sequence[int]):
+        """Starts recvs[0] <- sum over `group` of send (every member issues its buckets in one order)."""
+        self._usable("exchange")
+        g = tuple(group)
+        where = f"decent_comm GroupAllReduce.exchange(bucket={bucket}): "
+        if bucket in self._work:
+            raise RuntimeError(where + f"bucket {bucket} is still in flight; wait for it before exchanging it again")
+        if g not in self._pgs:
+            raise ValueError(where + f"rank {self.rank} is not a member of a known group {list(g)}")
+        if len(recvs) != 1:
+            raise ValueError(where + f"takes one receive buffer (the group's sum), got {len(recvs)}")
+        total = recvs[0]
+        if total.numel() != send.numel() or total.device != send.device:
+            raise ValueError(where + f"recvs[0] has {total.numel()} elements on {total.device}, send "
+                             f"{send.numel()} on {send.device}")
+        total.copy_(send)  # summed in place, in the receive buffer's dtype (the wire dtype)
+        try:
+            work = dist.all_reduce(total, group=self._pgs[g], async_op=True)
+        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
+            raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: starting the all-reduce among "
+                                           f"ranks {list(g)} failed: {e}")) from e
+        self._work[bucket] = (work, g, time.monotonic())
+        self.bytes_sent += 2 * (len(g) - 1) * total.numel() * total.element_size() // len(g)
+
+    def wait(self, bucket: int):
+        """Blocks until the bucket's sum is in recvs[0]; a no-op once that happened (wait_all, synchronize)."""
+        self._usable("wait")
+        entry = self._work.pop(bucket, None)
+        if entry is None:
+            return
+        work, g, started = entry
+        try:
+            ok = work.wait() if self.timeout is None else work.wait(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001
+            elapsed = time.monotonic() - started
+            if self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
+                raise self._fail(ExchangeTimeout(
+                    f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} "
+                    f"ms in the all-reduce among ranks {list(g)} (a member died, is stuck, or runs another "
+                    f"schedule); transport: {e}")) from e
+            raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
+                                           f"{list(g)} failed (a member may have exited or failed): {e}")) from e
+        if ok is False:
+            raise self._fail(ExchangeTimeout(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
+                                             f"{list(g)} did not complete within {self.timeout}"))
+
+    def wait_all(self):
+        self._usable("wait_all")
+        for bucket in list(self._work):
+            self.wait(bucket)
+
+    def synchronize(self):
+        self.wait_all()
+
+    @property
+    def in_flight(self):
+        return list(self._work)
+
+    def shutdown(self):
+        """Completes what is in flight (nothing after an error) and closes; idempotent."""
+        if self._closed:
+            return
+        if self._error is None:
+            self.wait_all()
+        self._closed = True

@@ -1,0 +1,148 @@
+"""What the optimizers report about the replicas: the disagreement the fused kernels measure in the same pass
+as the mix, and the exact collective statistics (consensus distance, per-tensor replica variance)."""
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("decent_comm")
+
+
+class DisagreementMeter:
+    """Per device, one float32 scratch with a slot per (bucket, segment): the fused kernels write each call's
+    sum((mixed - x_old)^2) there in the same pass as the mix, and nothing is read back unless asked."""
+
+    def __init__(self, buckets, enabled: bool):
+        self.enabled = bool(enabled)
+        self._buckets = buckets
+        self._buf: Dict[torch.device, torch.Tensor] = {}
+        self._off: Dict[int, int] = {}
+        self.valid = False  # a mix has been measured
+        if self.enabled:
+            sizes: Dict[torch.device, int] = {}
+            for b in buckets:
+                self._off[b.index] = sizes.get(b.device, 0)
+                sizes[b.device] = sizes.get(b.device, 0) + max(1, len(b.slots))
+            self._buf = {d: torch.zeros(n, dtype=torch.float32, device=d) for d, n in sizes.items()}
+
+    def slot(self, b, k: int) -> Optional[torch.Tensor]:
+        """The 1-element output of segment k of bucket b, or None when not tracking."""
+        if not self.enabled:
+            return None
+        off = self._off[b.index] + k
+        return self._buf[b.device][off:off + 1]
+
+    def begin(self):
+        for buf in self._buf.values():
+            buf.zero_()
+
+    def total(self) -> torch.Tensor:
+        """Sum over every slot, as a device scalar (no host sync)."""
+        parts = [buf.sum() for buf in self._buf.values()]
+        if not parts:
+            return torch.zeros(())
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p.to(total.device)
+        return total
+
+    def finish(self, step: int):
+        """A mix is complete: its value is the one reported from now on."""
+        if not self.enabled:
+            return
+        self.valid = True
+        if log.isEnabledFor(logging.DEBUG):  # reading the value synchronizes with the device: only when asked
+            log.debug("decent_comm: step %d: local disagreement %.6g", step, float(self.total()))
+
+    def last(self) -> float:
+        return float(self.total()) if self.enabled and self.valid else 0.0
+
+    def values(self, per_bucket: bool, device) -> torch.Tensor:
+        """float64 on `device`: the total (shape [1]) or one entry per bucket; zeros before the first mix."""
+        if not self.enabled:
+            raise RuntimeError("disagreement tracking is off (track_disagreement=False)")
+        if per_bucket:
+            vals = [self._buf[b.device][self._off[b.index]:self._off[b.index] + max(1, len(b.slots))].sum().to(device)
+                    for b in self._buckets]
+            out = torch.stack(vals).double() if vals else torch.zeros(0, dtype=torch.float64, device=device)
+        else:
+            out = self.total().double().to(device).reshape(1)
+        if not self.valid:
+            out.zero_()
+        return out
+
+
+def all_reduce_mean_(t: torch.Tensor, process_group, world_size: int):
+    dist.all_reduce(t, group=process_group)
+    t.div_(world_size)
+
+
+@torch.no_grad()
+def consensus_distance(buckets, process_group, world_size: int) -> float:
+    """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective)."""
+    if world_size == 1:
+        return 0.0
+    total = torch.zeros((), dtype=torch.float64, device=buckets[0].device)
+    for b in buckets:
+        x = b.flat.double()
+        mean = x.clone()
+        all_reduce_mean_(mean, process_group, world_size)
+        total += ((x - mean) ** 2).sum()
+    dist.all_reduce(total, group=process_group)
+    return float(total) / world_size
+
+
+def param_names(param_groups, names) -> Dict[int, str]:
+    """id(param) -> name, from `names` (an nn.Module, a dict name -> parameter, or (name, parameter) pairs),
+    else "group{g}.param{i}"."""
+    by_id: Dict[int, str] = {}
+    if names is not None:
+        if isinstance(names, torch.nn.Module):
+            items = names.named_parameters()
+        elif isinstance(names, dict):
+            items = names.items()
+        else:
+            items = names
+        for name, p in items:
+            by_id[id(p)] = name
+    out = {}
+    for gi, g in enumerate(param_groups):
+        for pi, p in enumerate(g["params"]):
+            out[id(p)] = by_id.get(id(p), f"group{gi}.param{pi}")
+    return out
+
+
+@torch.no_grad()
+def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, str], process_group,
+                     world_size: int) -> Dict[str, Dict[str, float]]:
+    """Per-tensor statistics of the replicas (see DecentralizedMixin.replica_variance), in `params` order, with
+    one all-reduce of a float64 buffer of the parameters plus one scalar per tensor."""
+    order = {id(p): k for k, p in enumerate(params)}
+    slots = sorted(((b, s) for b in buckets for s in b.slots), key=lambda bs: order[id(bs[1].param)])
+    if not slots:
+        return {}
+    dev = buckets[0].device
+    total = sum(s.numel for _, s in slots)
+    buf = torch.empty(total + len(slots), dtype=torch.float64, device=dev)
+    offs, off = [], 0
+    for i, (b, s) in enumerate(slots):
+        seg = buf[off:off + s.numel]
+        seg.copy_(b.flat[s.offset:s.offset + s.numel])
+        buf[total + i] = seg.square().sum()
+        offs.append(off)
+        off += s.numel
+    local_sq = buf[total:].clone()
+    n = world_size
+    if n > 1:
+        dist.all_reduce(buf, group=process_group)
+    mean = buf[:total] / n
+    avg_sq = torch.stack([mean[o:o + s.numel].square().sum() for o, (_, s) in zip(offs, slots)])
+    ms = buf[total:] / n
+    var = (ms - avg_sq).clamp_min(0.0)
+    rows = torch.stack([var, local_sq.sqrt(), ms.sqrt(), avg_sq.sqrt()], 1).tolist()
+    out = {}
+    for (b, s), (v, nrm, rms, avgn) in zip(slots, rows):
+        out[names_of[id(s.param)]] = dict(variance=v / s.numel, norm=nrm, norm_rms=rms, avg_norm=avgn, numel=s.numel)
+    return out

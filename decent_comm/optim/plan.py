@@ -1,0 +1,128 @@
+"""Who this rank mixes with at each step, as data: the topology's row of the step, scaled by the consensus
+factor, and whether the step runs as an all-reduce within averaging groups. No tensor math, no communication.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..topology import Adaptive, Topology, averaging_groups
+from ..topology.analysis import MIN_ALLREDUCE_GROUP
+
+EXCHANGES = ("auto", "p2p")
+MAX_SCAN = 1 << 16       # period * world_size beyond which a schedule is not scanned for averaging groups
+
+
+@dataclass
+class MixPlan:
+    """Row `rank` of W'(t) = (1 - a) I + a W(t): x_rank <- self_weight * x_rank + sum_j weights[j] x_{recv[j]}."""
+
+    step: int
+    self_weight: float
+    recv: List[int]
+    weights: List[float]
+    send: List[int]
+    factor: float = 1.0  # the consensus factor a this plan was built with
+    # A group step: the buffer is all-reduced over `group` and mixed as one neighbour, the group's sum S, with
+    # weights == [a / len(group)]; recv and send are empty.
+    group: Optional[Tuple[int, ...]] = None
+
+    @property
+    def silent(self) -> bool:
+        return not self.recv and not self.send and self.group is None
+
+    @property
+    def mixes(self) -> bool:
+        """Whether applying the plan changes x (a neighbour, or a self weight other than 1)."""
+        return bool(self.recv) or self.group is not None or self.self_weight != 1.0
+
+    @property
+    def num_buffers(self) -> int:
+        """Receive buffers per bucket: one per neighbour, or the group's sum."""
+        return 1 if self.group is not None else len(self.recv)
+
+
+def consensus_factor(consensus, step: int, lr: float) -> float:
+    """a(t) of DSGD-AC: a number, a callable of the step, or a schedule object with factor(step, lr)."""
+    if hasattr(consensus, "factor"):
+        a = consensus.factor(step, lr)
+    elif callable(consensus):
+        a = consensus(step)
+    else:
+        a = consensus
+    a = float(a)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"the consensus factor must be in [0, 1], got {a} at step {step}")
+    return a
+
+
+def scan_groups(topology: Topology, world_size: int) -> Dict[int, List[Tuple[int, ...]]]:
+    """step in the period -> the step's averaging groups of >= MIN_ALLREDUCE_GROUP ranks (steps without: absent)."""
+    table = {}
+    for t in range(topology.period):
+        groups = averaging_groups(topology, t)
+        big = [g for g in groups or [] if len(g) >= MIN_ALLREDUCE_GROUP]
+        if big:
+            table[t] = big
+    return table
+
+
+class GroupSteps:
+    """The steps of a schedule that run as one all-reduce per averaging group (uniform averaging within groups
+    of >= 3 ranks: complete, intra-node averaging, aer with inter="pair", ...), which moves 2 (|G| - 1) / |G|
+    buffers per rank instead of |G| - 1. Groups of two ranks stay point to point (same bytes). For an
+    ``Adaptive`` topology each candidate is scanned and the candidate decided for a step applies."""
+
+    def __init__(self, topology: Topology, rank: int, tables: List[Dict[int, List[Tuple[int, ...]]]]):
+        self.topology = topology
+        self.tables = tables
+        self._mine = [{t: g for t, groups in tb.items() for g in groups if rank in g} for tb in tables]
+
+    @classmethod
+    def scan(cls, topology: Topology, rank: int, world_size: int, exchange: str) -> Optional["GroupSteps"]:
+        """The group steps when `exchange` allows them and the schedule has any, else None."""
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if exchange == "p2p" or world_size < MIN_ALLREDUCE_GROUP:
+            return None
+        parts = topology.candidates if isinstance(topology, Adaptive) else [topology]
+        if any(p.period * world_size > MAX_SCAN for p in parts):
+            return None
+        tables = [scan_groups(p, world_size) for p in parts]
+        return cls(topology, rank, tables) if any(tables) else None
+
+    @property
+    def all_groups(self) -> List[Tuple[int, ...]]:
+        """Every group of every step (and candidate), sorted: what the exchange must set up on every rank."""
+        return sorted({g for tb in self.tables for groups in tb.values() for g in groups})
+
+    def group_of(self, step: int) -> Optional[Tuple[int, ...]]:
+        """The group this rank averages in at `step`, or None when the step is point to point."""
+        if isinstance(self.topology, Adaptive):
+            i = self.topology.index_at(step)
+            return self._mine[i].get(step % self.topology.candidates[i].period)
+        return self._mine[0].get(step % self.topology.period)
+
+    def buffers_per_rank(self, candidate: int, world_size: int) -> float:
+        """Buffers moved per rank and step by candidate `candidate` (mean over ranks and up to 64 steps of its
+        period): 2 (|G| - 1) / |G| on a group step, one per send peer otherwise."""
+        topo = self.topology.candidates[candidate] if isinstance(self.topology, Adaptive) else self.topology
+        table = self.tables[candidate]
+        steps = range(min(topo.period, 64))
+        total = 0.0
+        for t in steps:
+            size = {r: len(g) for g in table.get(t, []) for r in g}
+            total += sum(2 * (size[r] - 1) / size[r] if r in size else len(topo.peers(r, t).send)
+                         for r in range(world_size))
+        return total / (world_size * len(steps))
+
+
+def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optional[GroupSteps] = None) -> MixPlan:
+    if a == 0.0 or topology.world_size == 1:
+        return MixPlan(step, 1.0, [], [], [], a)
+    group = groups.group_of(step) if groups is not None else None
+    if group is not None:
+        return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group)
+    peers = topology.peers(rank, step)
+    recv = [r for r, _ in peers.recv]
+    weights = [a * w for _, w in peers.recv]
+    return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a)

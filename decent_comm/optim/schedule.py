@@ -1,0 +1,252 @@
+"""``GossipSchedule``: the gossip half of a decentralized optimizer, held by the fused optimizers and by
+``Decentralized`` alike (as torch's PostLocalSGDOptimizer holds a model averager).
+
+It turns the topology into a per-step ``MixPlan`` (consensus factor, averaging-group steps, adaptive
+decisions), launches each step's exchange of the buckets, hands out what arrived, applies ATC's pending mixes
+(at the next step, or in forward pre-hooks just before the first module using a bucket), measures the
+disagreement of each mix, and saves / restores where the schedule stands. It computes no optimizer update.
+
+    t         steps taken (the topology phase)            inflight  the plan whose exchange was launched last
+    awc: step t waits for the exchange of x^t launched at the end of step t - 1, mixes it inside the fused
+         update, then launches the exchange of x^{t+1}.
+    atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending.
+"""
+
+import logging
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..exchange import GossipExchange
+from ..topology import Adaptive
+from .adaptation import AdaptiveDriver
+from .diagnostics import DisagreementMeter
+from .plan import GroupSteps, MixPlan, consensus_factor, mix_plan
+
+log = logging.getLogger("decent_comm")
+
+MODES = ("awc", "atc")
+
+
+class GossipSchedule:
+    def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
+                 lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
+                 track_disagreement: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.buckets = buckets
+        self.topology = topology
+        self.mode = mode
+        self.rank, self.world_size = rank, world_size
+        self.process_group = process_group
+        self.consensus = consensus
+        self._lr = lr
+        consensus_factor(consensus, 0, lr())  # validate early
+        self.comm_dtype = comm_dtype
+        self.t = 0                       # optimizer steps taken (the topology phase)
+        self.inflight: Optional[MixPlan] = None  # awc: the plan of x^t; atc: of x^{t+1/2}
+        self.pending = set()             # atc: buckets received but not yet mixed
+        self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
+        self._resume_factor = None       # consensus factor of step t restored from a checkpoint
+        self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
+        self._hooks = []
+        self.device = buckets[0].device if buckets else torch.device("cpu")
+        self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
+        if self.groups is not None and process_group is not None and \
+                dist.get_world_size(process_group) != dist.get_world_size():
+            # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
+            log.info("decent_comm: group all-reduce needs the default process group; gossip stays point to point")
+            self.groups = None
+        self.exchange = None
+        if world_size > 1:
+            self.exchange = GossipExchange(process_group, self.device, timeout=timeout, wire_dtype=comm_dtype,
+                                           groups=self.groups.all_groups if self.groups is not None else ())
+        self.adaptive = None
+        if isinstance(topology, Adaptive):
+            self.adaptive = AdaptiveDriver(topology, process_group, world_size, self.device, lr)
+            if self.groups is not None:  # what each candidate really moves per step
+                topology.costs = [self.groups.buffers_per_rank(i, world_size) for i in range(len(topology.candidates))]
+        self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
+                                                                       and self.adaptive.needs_stats))
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def plan(self, step: int) -> MixPlan:
+        if self.adaptive is not None and self.adaptive.decide(step):
+            self._trim_recv_buffers()
+        # After a resume, the factor the interrupted run had already chosen for this step (from the lr in
+        # effect when it launched the exchange) keeps the trajectory identical.
+        if self._resume_factor is not None and step == self.t:
+            a, self._resume_factor = self._resume_factor, None
+        else:
+            a = consensus_factor(self.consensus, step, self._lr())
+        return mix_plan(self.topology, self.rank, step, a, self.groups)
+
+    def wants_step_sq(self, decision_step: int) -> bool:
+        return self.adaptive is not None and self.adaptive.wants_step_sq(decision_step)
+
+    def record_step_sq(self, value: Optional[torch.Tensor]):
+        if self.adaptive is not None and value is not None:
+            self.adaptive.record_step_sq(value)
+
+    # -------------------------------------------------------------------------------------- communication
+
+    def _recv_buffers(self, b, k: int) -> List[torch.Tensor]:
+        bufs = self._recv[b.index]
+        while len(bufs) < k:
+            bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
+        return bufs[:k]
+
+    @torch.no_grad()
+    def launch(self, plan: MixPlan):
+        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks)."""
+        if self.exchange is not None and not plan.silent:
+            for b in self.buckets:
+                recvs = self._recv_buffers(b, plan.num_buffers)
+                if plan.group is not None:
+                    self.exchange.exchange(b.index, b.flat, recvs, group=plan.group)
+                else:
+                    self.exchange.exchange(b.index, b.flat, recvs, send_to=plan.send, recv_from=plan.recv)
+        self.inflight = plan
+
+    def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
+        """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
+        if self.exchange is not None and not plan.silent:
+            self.exchange.wait(b.index)
+        return self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+
+    def awc_plan(self) -> MixPlan:
+        """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""
+        plan = self.inflight
+        if plan is None or plan.step != self.t:
+            plan = self.plan(self.t)
+            self.launch(plan)
+        return plan
+
+    def finish_step(self):
+        """awc: step t is done; launch the exchange of x^{t+1}."""
+        self.t += 1
+        self.launch(self.plan(self.t))
+
+    def atc_launch(self):
+        """atc: the local update of step t is done; exchange x^{t+1/2} and leave its mix pending."""
+        plan = self.plan(self.t)
+        self.launch(plan)
+        if plan.mixes:
+            self.pending = {b.index for b in self.buckets}
+            self._fresh = True
+        self.t += 1
+
+    # ------------------------------------------------------------------------------------- mixing (atc)
+
+    def begin_mix(self):
+        if self.meter.enabled:
+            self.meter.begin()
+
+    def end_mix(self, plan: MixPlan):
+        """A mix of every bucket is complete: record its disagreement (and the adaptive estimate)."""
+        if not self.meter.enabled:
+            return
+        self.meter.finish(plan.step)
+        if self.adaptive is not None:
+            self.adaptive.observe_mix(plan, self.meter.total())
+
+    @torch.no_grad()
+    def mix_pending(self, bucket_ids=None):
+        """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
+        if not self.pending:
+            return
+        plan = self.inflight
+        ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
+        if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
+            self.begin_mix()
+            self._fresh = False
+        for i in ids:
+            b = self.buckets[i]
+            nbs = self.received(b, plan)
+            ops.gossip_mix_(b.flat, nbs, plan.self_weight, plan.weights, disagreement=self.meter.slot(b, 0))
+            self.pending.discard(i)
+        if ids and not self.pending:
+            self.end_mix(plan)
+
+    def attach(self, model: torch.nn.Module):
+        """ATC: forward pre-hooks on `model`'s modules mix each bucket before the first module using it runs."""
+        where = {id(s.param): b.index for b in self.buckets for s in b.slots}
+        for module in model.modules():
+            ids = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
+            if ids:
+                self._hooks.append(module.register_forward_pre_hook(self._make_hook(ids)))
+
+    def _make_hook(self, bucket_ids):
+        def hook(module, args):
+            if self.pending:
+                self.mix_pending(bucket_ids)
+        return hook
+
+    # ------------------------------------------------------------------------------------------ completion
+
+    def complete_transfers(self):
+        """Blocks until every exchange in flight has completed (their data stays valid)."""
+        if self.exchange is not None:
+            self.exchange.synchronize()
+
+    def synchronize(self):
+        """ATC: applies the pending mix (the parameters are then exactly x^{t+1}); then completes transfers."""
+        if self.mode == "atc" and self.pending:
+            self.mix_pending()
+        self.complete_transfers()
+
+    def forget_inflight(self):
+        """What neighbours sent is stale (the parameters were replaced): the next step exchanges afresh."""
+        self.inflight = None
+
+    def _trim_recv_buffers(self):
+        """After a switch, drop receive buffers the new candidate never needs (a dense graph holds many)."""
+        start = self.topology.decided
+        topo = self.topology.topology_at(start)
+        need = max(1 if self.groups is not None and self.groups.group_of(t) is not None
+                   else len(topo.peers(self.rank, t).recv) for t in range(start, start + min(topo.period, 64)))
+        for bufs in self._recv.values():
+            del bufs[need:]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.exchange.bytes_sent if self.exchange is not None else 0
+
+    def shutdown(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.exchange is not None:
+            self.exchange.shutdown()
+            self.exchange = None
+
+    # -------------------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
+        nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
+        return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
+                    topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
+                    consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
+                    adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
+
+    def load_state_dict(self, extra: Optional[dict]):
+        """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
+        if extra is not None:
+            if extra["topology"] != self.topology.fingerprint():
+                raise ValueError("the checkpoint was written with another topology (fingerprint "
+                                 f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
+            self.t = int(extra["step"])
+            self._resume_factor = extra.get("next_factor")
+            if extra.get("consensus") is not None and hasattr(self.consensus, "load_state_dict"):
+                self.consensus.load_state_dict(extra["consensus"])
+            if self.adaptive is not None:
+                self.adaptive.load_state_dict(extra.get("adaptive"))
+        # Whatever was in flight carried the old parameters: start the next exchange afresh.
+        self.complete_transfers()
+        self.inflight = None
+        self.pending = set()
+        self._fresh = False
