@@ -6,7 +6,8 @@ Semantics (t counts optimizer steps from 0; W'(t) = (1 - a_t) I + a_t W(t)):
   awc  x_i^{t+1} = sum_j W'_ij(t) x_j^t - lr * d_i^t          (one fused kernel per bucket; the exchange
        of x^{t+1} is launched at the end of step t and overlaps the whole next forward and backward)
   atc  x_i^{t+1} = sum_j W'_ij(t) (x_j^t - lr * d_j^t)         (local update, exchange, then the mix: in a
-       forward pre-hook of the first module using each bucket when `model` is given, else at the next step)
+       forward pre-hook of the first module using each bucket - the modules of `model` when given, else those
+       a global pre-hook sees run - or at the end of the step for a bucket no module covers)
 
 Watching the replicas (decent_comm.optim.diagnostics): ``last_disagreement`` / ``disagreement()`` (from the
 fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_distance()`` (collectives),
@@ -54,7 +55,7 @@ class DecentralizedMixin:
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
             process_group=process_group, consensus=consensus, lr=self._lr0, comm_dtype=comm_dtype, timeout=timeout,
             exchange=exchange, track_disagreement=track_disagreement)
-        if model is not None and mode == "atc":
+        if mode == "atc":
             self._schedule.attach(model)
 
     # ----------------------------------------------------------------------------------- configuration

@@ -27,7 +27,8 @@ _DOC_OPTIONS = """
         consensus: DSGD-AC factor a (W -> (1-a) I + a W): a number, a callable of the step, or a schedule
             object such as decent_comm.AdaptiveConsensus.
         model: the module the parameters belong to; in ATC mode its forward pre-hooks apply each bucket's mix
-            just before the first module using it runs.
+            just before the first module using it runs. Without it a global forward pre-hook finds the modules
+            that run; a bucket no running module holds is mixed at the end of step(). ATC is exact either way.
         broadcast_init: start all replicas from rank 0's parameters.
         timeout: seconds a peer may take before step() raises (default: the process group's timeout).
         track_disagreement: have the fused kernels also compute, in the same pass, each rank's squared distance

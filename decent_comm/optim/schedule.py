@@ -9,7 +9,9 @@ disagreement of each mix, and saves / restores where the schedule stands. It com
     t         steps taken (the topology phase)            inflight  the plan whose exchange was launched last
     awc: step t waits for the exchange of x^t launched at the end of step t - 1, mixes it inside the fused
          update, then launches the exchange of x^{t+1}.
-    atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending.
+    atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending: forward
+         pre-hooks apply it just before the first module using each bucket runs; a bucket no hook covers is
+         mixed at the end of the step.
 """
 
 import logging
@@ -23,6 +25,7 @@ from ..exchange import GossipExchange
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
+from .mix_hooks import MixBeforeUse
 from .plan import GroupSteps, MixPlan, consensus_factor, mix_plan
 
 log = logging.getLogger("decent_comm")
@@ -51,7 +54,7 @@ class GossipSchedule:
         self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
         self._resume_factor = None       # consensus factor of step t restored from a checkpoint
         self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
-        self._hooks = []
+        self._hooks = None               # atc: MixBeforeUse
         self.device = buckets[0].device if buckets else torch.device("cpu")
         self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
         if self.groups is not None and process_group is not None and \
@@ -134,10 +137,14 @@ class GossipSchedule:
         """atc: the local update of step t is done; exchange x^{t+1/2} and leave its mix pending."""
         plan = self.plan(self.t)
         self.launch(plan)
+        self.t += 1
         if plan.mixes:
             self.pending = {b.index for b in self.buckets}
             self._fresh = True
-        self.t += 1
+            # A bucket no forward pre-hook will mix before its first use is mixed now, or the next gradient
+            # would be taken at the unmixed point (another algorithm).
+            deferred = self._hooks.deferrable() if self._hooks is not None else set()
+            self.mix_pending(sorted(self.pending - deferred))
 
     # ------------------------------------------------------------------------------------- mixing (atc)
 
@@ -171,19 +178,9 @@ class GossipSchedule:
         if ids and not self.pending:
             self.end_mix(plan)
 
-    def attach(self, model: torch.nn.Module):
-        """ATC: forward pre-hooks on `model`'s modules mix each bucket before the first module using it runs."""
-        where = {id(s.param): b.index for b in self.buckets for s in b.slots}
-        for module in model.modules():
-            ids = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
-            if ids:
-                self._hooks.append(module.register_forward_pre_hook(self._make_hook(ids)))
-
-    def _make_hook(self, bucket_ids):
-        def hook(module, args):
-            if self.pending:
-                self.mix_pending(bucket_ids)
-        return hook
+    def attach(self, model=None):
+        """ATC: mix each bucket just before the first module using it runs (see mix_hooks.MixBeforeUse)."""
+        self._hooks = MixBeforeUse(self, model)
 
     # ------------------------------------------------------------------------------------------ completion
 
@@ -216,9 +213,9 @@ class GossipSchedule:
         return self.exchange.bytes_sent if self.exchange is not None else 0
 
     def shutdown(self):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         if self.exchange is not None:
             self.exchange.shutdown()
             self.exchange = None
