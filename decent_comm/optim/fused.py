@@ -11,7 +11,7 @@ from .base import DecentralizedMixin
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
-                               track_disagreement=False, exchange="auto")
+                               track_disagreement=False, exchange="auto", check_finite=False)
 _DOC_OPTIONS = """
     Decentralized options (keyword-only):
         topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
@@ -38,6 +38,9 @@ _DOC_OPTIONS = """
         exchange: "auto" runs every step whose mixing is uniform averaging within groups of >= 3 ranks
             (complete, intra-node averaging, aer with inter="pair", ...) as one all-reduce per group, which moves
             fewer bytes than point-to-point gossip; "p2p" never does (see decent_comm.optim.plan.GroupSteps).
+        check_finite: raise, naming the rank, the step and the bucket, when a rank's parameters become non-finite
+            (checked before they are sent) or a neighbour's arrive non-finite, instead of letting a NaN spread
+            through the gossip silently. Costs a device sync per bucket and step: for debugging.
 """
 
 
@@ -74,6 +77,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
 
 class DSGD(DecentralizedMixin, torch.optim.Optimizer):
     __doc__ = "Decentralized torch.optim.SGD (momentum, dampening, nesterov, weight_decay as torch)." + _DOC_OPTIONS
+    _sparse_grads_ok = True
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
                  foreach=None, differentiable=False, fused=None, **decentralized):
@@ -87,6 +91,9 @@ class DSGD(DecentralizedMixin, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                                           weight_decay=weight_decay, nesterov=nesterov))
         self._init_decentralized(**opts)
+
+    def _state_names(self, group):
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         momentum = group["momentum"]
@@ -109,6 +116,9 @@ class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq"]
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         beta1, beta2 = group["betas"]
@@ -139,6 +149,9 @@ class AccumAdam(_AdamBase):
             raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, _extra_defaults=dict(accum_steps=int(accum_steps)),
                          **kw)
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq", "accum"]
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         beta1, beta2 = group["betas"]

@@ -36,7 +36,7 @@ MODES = ("awc", "atc")
 class GossipSchedule:
     def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
                  lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
-                 track_disagreement: bool = False):
+                 track_disagreement: bool = False, check_finite: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.buckets = buckets
@@ -48,6 +48,7 @@ class GossipSchedule:
         self._lr = lr
         consensus_factor(consensus, 0, lr())  # validate early
         self.comm_dtype = comm_dtype
+        self.check_finite = bool(check_finite)
         self.t = 0                       # optimizer steps taken (the topology phase)
         self.inflight: Optional[MixPlan] = None  # awc: the plan of x^t; atc: of x^{t+1/2}
         self.pending = set()             # atc: buckets received but not yet mixed
@@ -103,8 +104,10 @@ class GossipSchedule:
         return bufs[:k]
 
     @torch.no_grad()
-    def launch(self, plan: MixPlan):
-        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks)."""
+    def launch(self, plan: MixPlan, made_by: Optional[int] = None):
+        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
+        `made_by`: the optimizer step whose update produced the buffers (for check_finite's message)."""
+        bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
@@ -113,12 +116,24 @@ class GossipSchedule:
                 else:
                     self.exchange.exchange(b.index, b.flat, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
+        if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
+            when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
+            raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
+                               f"{when} (check_finite=True; steps count from 0)")
 
     def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
         if self.exchange is not None and not plan.silent:
             self.exchange.wait(b.index)
-        return self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        bufs = self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        if self.check_finite:
+            for k, y in enumerate(bufs):
+                if not torch.isfinite(y).all():
+                    who = f"the all-reduce among ranks {list(plan.group)}" if plan.group is not None else \
+                        f"rank {plan.recv[k]}"
+                    raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
+                                       f"non-finite values from {who} (check_finite=True)")
+        return bufs
 
     def awc_plan(self) -> MixPlan:
         """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""
@@ -131,12 +146,12 @@ class GossipSchedule:
     def finish_step(self):
         """awc: step t is done; launch the exchange of x^{t+1}."""
         self.t += 1
-        self.launch(self.plan(self.t))
+        self.launch(self.plan(self.t), made_by=self.t - 1)
 
     def atc_launch(self):
         """atc: the local update of step t is done; exchange x^{t+1/2} and leave its mix pending."""
         plan = self.plan(self.t)
-        self.launch(plan)
+        self.launch(plan, made_by=self.t)
         self.t += 1
         if plan.mixes:
             self.pending = {b.index for b in self.buckets}
@@ -233,6 +248,12 @@ class GossipSchedule:
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
         if extra is not None:
+            for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
+                if key in extra and extra[key] != mine:
+                    raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
+                                     " every rank loads its own state_dict (its optimizer state and where the gossip "
+                                     "schedule stands). To start a schedule afresh from another rank's moments, drop "
+                                     "the 'decentralized' entry before loading.")
             if extra["topology"] != self.topology.fingerprint():
                 raise ValueError("the checkpoint was written with another topology (fingerprint "
                                  f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
