@@ -52,14 +52,14 @@ def make(name: str, world_size: int, local_world_size: int | None = None, **opti
     ``world_size``.  ``options`` are topology specific (``base-k``: ``k``,
     ``simple``).  ``name`` may also be an adaptive spec,
     ``adaptive:consensus:one-peer-exp,exp,complete[:kappa=1]`` or
-    ``adaptive:phase:complete@0,one-peer-exp@100`` (see ``adaptive.parse``).  Small schedules are validated here (see
+    ``adaptive:phase:complete@0,one-peer-exp@100`` (see ``spec.parse``).  Small schedules are validated here (see
     ``VALIDATE_MAX_WORK``); large ones are built lazily so construction is
     O(1) (tests validate the built-ins exhaustively for small n).
     """
     if str(name).strip().lower().startswith("adaptive:"):
         if options:
             raise ValueError(f"adaptive specs take their options in the string, got {sorted(options)}")
-        from .adaptive import parse
+        from .spec import parse
         return parse(name, check_world_size(world_size), local_world_size)
     key = canonical_name(name)
     n = check_world_size(world_size)
