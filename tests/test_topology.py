@@ -141,18 +141,6 @@ def test_aliases_and_names():
     assert T.make("aer_pair", 8, local_world_size=2).inter == "pair"
 
 
-def test_local_world_size_from_env(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert T.make("ring", 16).local_world_size == 4
-    assert T.make("aer", 16).num_nodes == 4
-    assert T.make("ring", 16, local_world_size=2).local_world_size == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        T.make("ring", 16)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert T.make("ring", 16).local_world_size == 16
-
-
 # ----------------------------------------------------------------------------- independent references
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 64])
 def test_exp_matches_dense_reference(n):

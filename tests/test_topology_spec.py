@@ -74,6 +74,8 @@ def test_errors_of_binding_name_the_spec():
     assert "'adaptive:consensus:aer,complete'" in str(e.value) and "3 nodes" in str(e.value)
     with pytest.raises(ValueError, match="not of the form"):
         parse("consensus:ring,complete")
+    with pytest.raises(ValueError, match="MAX_WORLD_SIZE"):
+        T.make(CONSENSUS, 10 ** 18)
 
 
 def test_options_are_typed_and_names_canonical():

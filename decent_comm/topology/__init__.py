@@ -17,6 +17,11 @@ optimizer and scheduler consume that.
   (``spec.parse``).
 * Analysis: ``spectral_gap``, ``finite_time_exact``, ``period_product``,
   ``comm_cost``.
+
+Pure data: no environment variables, no torch.distributed.  Every schedule is
+checked to average (``connectivity.check_averages``) unless built with
+``allow_disconnected=True`` (as ``local`` is).  One round-off tolerance,
+``validation.TOL``, serves every check.
 """
 from .adaptive import Adaptive
 from .analysis import SpectralGap, averaging_groups, finite_time_exact, period_product, spectral_gap
@@ -26,12 +31,12 @@ from .cost import CommCost, StepCost, comm_cost
 from .custom import MatrixTopology, from_matrix, from_networkx, metropolis_hastings
 from .policies import AdaptStats, ConsensusControl, PhaseSchedule, Policy
 from .registry import NAMES, canonical_name, make
-from .validation import check_matrix
+from .validation import MAX_WORLD_SIZE, TOL, check_matrix
 
 __all__ = [
     "Topology", "Peers", "make", "NAMES", "canonical_name",
     "from_matrix", "from_networkx", "metropolis_hastings", "MatrixTopology",
-    "with_consensus", "ConsensusTopology", "check_matrix",
+    "with_consensus", "ConsensusTopology", "check_matrix", "TOL", "MAX_WORLD_SIZE",
     "spectral_gap", "SpectralGap", "finite_time_exact", "period_product", "averaging_groups",
     "comm_cost", "CommCost", "StepCost",
     "Adaptive", "AdaptStats", "Policy", "PhaseSchedule", "ConsensusControl",
