@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from .base import Topology
+from .validation import TOL
 
 
 def period_product(topology: Topology, start: int = 0) -> np.ndarray:
@@ -54,16 +55,16 @@ def spectral_gap(topology: Topology) -> SpectralGap:
     n = topology.world_size
     P = period_product(topology) - np.full((n, n), 1.0 / n)
     rho = float(np.linalg.norm(P, 2)) if n > 1 else 0.0
-    if rho < 1e-12:
-        rho = 0.0  # exact averaging up to round-off
-    elif abs(rho - 1.0) < 1e-12:
+    if rho < TOL:
+        rho = 0.0  # exact averaging up to round-off (validation.TOL)
+    elif abs(rho - 1.0) < TOL:
         rho = 1.0  # no contraction (e.g. disconnected), up to round-off
     T = topology.period
     per_step = 1.0 - rho ** (1.0 / T)
     return SpectralGap(gap=1.0 - rho, per_step=per_step, rho=rho, period=T)
 
 
-def finite_time_exact(topology: Topology, tol: float = 1e-9) -> bool:
+def finite_time_exact(topology: Topology, tol: float = TOL) -> bool:
     """True when the product over one period equals ``11^T / n`` (max abs error ``<= tol``)."""
     n = topology.world_size
     return bool(np.abs(period_product(topology) - 1.0 / n).max() <= tol)

@@ -12,7 +12,7 @@ base class.
 * ``one-peer-exp``: one-peer exponential graph (same paper), period
   ``ceil(log2 n)``; exact averaging after one period when n is a power of 2.
 * ``torus``: 2-D torus on the most square factorization ``n = a * b``.
-* ``local``: no communication.
+* ``local``: no communication (``allow_disconnected``: deliberately never averages).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Local(Topology):
     """No communication: ``W = I``."""
 
     def __init__(self, world_size: int, local_world_size: int | None = None):
-        super().__init__(world_size, local_world_size=local_world_size, name="local")
+        super().__init__(world_size, local_world_size=local_world_size, name="local", allow_disconnected=True)
 
     def peers(self, rank, step):
         self._check_rank(rank)
