@@ -1,6 +1,8 @@
 """The runtime model on large clusters: array tables against ``Topology.peers``, bounded work, and
 plans of thousands of ranks in seconds (process CPU time is asserted, so a loaded machine does not
 fail them; the bounds are ~10x what an idle core needs and far below what the O(n^2..n^3) code took)."""
+import ast
+import pathlib
 import time
 
 import numpy as np
@@ -193,3 +195,13 @@ def test_plan_ignores_local_world_size_environment(monkeypatch):
     make_topology.cache_clear()
     planner_mod.gap_per_step.cache_clear()
     assert plan(cluster(4, 4), work(), ["aer", "ring"], run_simulation=False) == before
+
+
+def test_runtime_model_runs_nothing():
+    """The runtime model predicts only: none of its modules imports torch (measurement lives in the CLI)."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "decent_comm" / "runtime_model"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "torch" for n in names), (path.name, names)
