@@ -35,7 +35,7 @@ def flags(out, ck):
 def replicas(ck):
     step = os.path.join(ck, f"step_{STEPS:07d}")
     assert sorted(os.listdir(step)) == [f"rank{r}.pt" for r in range(4)]
-    return [torch.load(os.path.join(step, f"rank{r}.pt"), map_location="cpu", weights_only=False)["model"]
+    return [torch.load(os.path.join(step, f"rank{r}.pt"), map_location="cpu", weights_only=True)["model"]
             for r in range(4)]
 
 
