@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from decent_comm import topology as T  # noqa: E402
-from decent_comm.exchange import Exchanger  # noqa: E402
+from decent_comm import topology as T
+from decent_comm.exchange import Exchanger
 
 TOPOLOGIES = ["one-peer-exp", "ring", "exp"]
 

@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
+# A bare machine's python (no .venv, so no .pth from `make build`) imports the in-place build from the checkout.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name())"

@@ -19,13 +19,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from decent_comm import ops  # noqa: E402
+from decent_comm import ops
 
 
 def _time_once(device, fn):
