@@ -93,8 +93,9 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
                 forward.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return Strategy(torch_optimizer(cls, model.parameters(), args), forward, decentralized=False)
 
-    # local_world_size=None lets decent_comm read LOCAL_WORLD_SIZE (set by torchrun) itself.
-    topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=args.local_world_size)
+    # Ranks per node: --local-world-size (emulated nodes), else torchrun's LOCAL_WORLD_SIZE (env.local_world_size).
+    local = args.local_world_size if args.local_world_size is not None else env.local_world_size
+    topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=local)
     options = dict(topology=topology, mode=args.mode, consensus=_consensus(args), model=model,
                    comm_dtype=torch.bfloat16 if args.bf16_wire else None)
     if name in FUSED:

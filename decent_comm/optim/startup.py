@@ -61,7 +61,7 @@ def resolve_topology(topology, world_size: int):
         if topology.bound and topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
                              f"has {world_size}")
-        return topology.bind(world_size)
+        return topology.bind(world_size, local_world_size_from_env(world_size))
     if isinstance(topology, topo_mod.Topology):
         if topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "

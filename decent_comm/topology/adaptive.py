@@ -91,10 +91,11 @@ class Adaptive(Topology):
 
     # -- binding ---------------------------------------------------------------------------------------
     def bind(self, world_size: int, local_world_size: Optional[int] = None) -> "Adaptive":
-        """A fresh bound copy for ``world_size`` ranks (empty history, a deep copy of the policy)."""
+        """A fresh bound copy for ``world_size`` ranks (empty history, a deep copy of the policy).
+        ``local_world_size`` applies when this Adaptive was built without one."""
         candidates, policy, lws, name = self._spec
         return Adaptive(candidates, copy.deepcopy(policy), world_size=world_size,
-                        local_world_size=local_world_size if local_world_size is not None else lws, name=name)
+                        local_world_size=lws if lws is not None else local_world_size, name=name)
 
     def _bind_in_place(self, n: int):
         from .registry import make
