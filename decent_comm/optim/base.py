@@ -25,8 +25,9 @@ from .adaptation import sq_dist, sum_scalars
 from .buckets import Bucket, build_buckets, count_steps, gather_grads, publish_state, segments, zero_grads
 from .plan import Cadence
 from .schedule import MODES, GossipSchedule
-from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config, resolve_topology,
-                      verify_replicas)
+from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
+                      resolve_topology, verify_replicas)
+from .tracing import traced
 
 __all__ = ["DecentralizedMixin", "MODES"]
 
@@ -184,6 +185,7 @@ class DecentralizedMixin:
         s.record_step_sq(step_sq)
         s.finish_step()
 
+    @traced("mix_update")
     def _update_awc(self, plan, skip_update: bool, measure: bool) -> Optional[torch.Tensor]:
         """The fused mix + update of every bucket; ||x^{t+1} - mix(x^t)||^2 when `measure`."""
         step_sq = []
@@ -209,6 +211,7 @@ class DecentralizedMixin:
             s.record_step_sq(sum_scalars([sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)]))
         s.atc_launch()
 
+    @traced("local_update")
     def _update_local(self, skip_update: bool):
         """The local update alone (ATC's adapt half)."""
         for b in self._buckets:

@@ -27,6 +27,7 @@ from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .tracing import traced
 
 log = logging.getLogger("decent_comm")
 
@@ -96,7 +97,10 @@ class GossipSchedule:
         r = self.cadence.round_of(decision_step)
         return self.adaptive is not None and r is not None and self.adaptive.wants_step_sq(r)
 
-    @torch.no_grad()
+    def record_step_sq(self, value: Optional[torch.Tensor]):
+        if self.adaptive is not None and value is not None:
+            self.adaptive.record_step_sq(value)
+
     def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None) -> bool:
         """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
         identical). A blocking all-reduce per bucket, plus one of `found_inf` so every rank skips an overflow
@@ -104,16 +108,17 @@ class GossipSchedule:
         if not self.cadence.in_warmup(step):
             return False
         if self.world_size > 1:
-            for b in self.buckets:
-                dist.all_reduce(b.grad, group=self.process_group)
-                b.grad.div_(self.world_size)
-            if found_inf is not None:
-                dist.all_reduce(found_inf, group=self.process_group)
+            self._allreduce_gradients(found_inf)
         return True
 
-    def record_step_sq(self, value: Optional[torch.Tensor]):
-        if self.adaptive is not None and value is not None:
-            self.adaptive.record_step_sq(value)
+    @traced("warmup_allreduce")
+    @torch.no_grad()
+    def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
+        for b in self.buckets:
+            dist.all_reduce(b.grad, group=self.process_group)
+            b.grad.div_(self.world_size)
+        if found_inf is not None:
+            dist.all_reduce(found_inf, group=self.process_group)
 
     # -------------------------------------------------------------------------------------- communication
 
@@ -123,6 +128,7 @@ class GossipSchedule:
             bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
         return bufs[:k]
 
+    @traced("exchange_launch")
     @torch.no_grad()
     def launch(self, plan: MixPlan, made_by: Optional[int] = None):
         """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
@@ -141,6 +147,7 @@ class GossipSchedule:
             raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
                                f"{when} (check_finite=True; steps count from 0)")
 
+    @traced("exchange_wait")
     def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
         if self.exchange is not None and not plan.silent:
@@ -195,6 +202,7 @@ class GossipSchedule:
         if self.adaptive is not None:
             self.adaptive.observe_mix(plan, self.meter.total())
 
+    @traced("atc_mix")
     @torch.no_grad()
     def mix_pending(self, bucket_ids=None):
         """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
