@@ -50,7 +50,7 @@ def doubly_stochastic(n, seed):
 
 
 def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0, comm_dtype=None,
-                          scheduler=None, probe=None, give_model=True, model_fn=None):
+                          scheduler=None, probe=None, give_model=True, model_fn=None, **cadence):
     """Trains rank `rank`'s replica and the float64 dense simulation of all ranks side by side; returns the
     largest deviation of this rank's parameters from the simulation. ``give_model``: pass ``model=`` in ATC mode
     (else the optimizer finds the modules itself)."""
@@ -59,9 +59,9 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
     models = [make_model_(seed) for seed in range(n)]  # distinct replicas, known to every rank
     model = models[rank]
     ref = Reference(make_model_(0), [flat_params(m) for m in models], topo, mode, kind, hp, consensus=consensus,
-                    wire_dtype=comm_dtype)
+                    wire_dtype=comm_dtype, **cadence)
     opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" and give_model else None,
-               broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30)
+               broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30, **cadence)
     for t in range(steps):
         x, y = batch(rank, t)
         opt.zero_grad()

@@ -89,3 +89,25 @@ def test_dcp_get_set_state_dict_round_trip_is_exact(case):
         assert r["side_effect"] == 0, r
         assert r["restored_t"] == 3, r
         assert r["err"] < 1e-6, r
+
+
+def _profiled(rank, n, mode):
+    from torch.profiler import profile
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", mode=mode, warmup_steps=1, timeout=30)
+    with profile() as prof:
+        for t in range(3):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    opt.shutdown()
+    return sorted({e.name for e in prof.events() if e.name.startswith("decent_comm::")})
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_profiler_shows_the_gossip_ranges(mode):
+    names = run_ranks(_profiled, 2, mode, timeout=120)[0]
+    want = {"decent_comm::warmup_allreduce", "decent_comm::exchange_launch", "decent_comm::exchange_wait"}
+    want |= {"decent_comm::mix_update"} if mode == "awc" else {"decent_comm::local_update", "decent_comm::atc_mix"}
+    assert want <= set(names), names

@@ -23,9 +23,11 @@ from .. import ops
 from . import diagnostics
 from .adaptation import sq_dist, sum_scalars
 from .buckets import Bucket, build_buckets, count_steps, gather_grads, publish_state, segments, zero_grads
+from .plan import Cadence
 from .schedule import MODES, GossipSchedule
-from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config, resolve_topology,
-                      verify_replicas)
+from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
+                      resolve_topology, verify_replicas)
+from .tracing import traced
 
 __all__ = ["DecentralizedMixin", "MODES"]
 
@@ -43,10 +45,12 @@ class DecentralizedMixin:
     _sparse_grads_ok = False
 
     def _init_decentralized(self, *, topology, mode, process_group, bucket_cap_mb, comm_dtype, consensus, model,
-                            broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False):
+                            broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False,
+                            gossip_every=1, warmup_steps=0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_options(timeout=timeout, comm_dtype=comm_dtype)
+        cadence = Cadence(gossip_every, warmup_steps)
         self.process_group = process_group
         self.rank, self.world_size = distributed_context(process_group)
         topology = resolve_topology(topology, self.world_size)
@@ -58,14 +62,14 @@ class DecentralizedMixin:
         if self.world_size > 1:
             config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
                                     mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
-                                    bucket_cap_mb=bucket_cap_mb)
+                                    bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps)
             verify_replicas(config, process_group, self.world_size)
             if broadcast_init:
                 broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
             process_group=process_group, consensus=consensus, lr=self._lr0, comm_dtype=comm_dtype, timeout=timeout,
-            exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite)
+            exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite, cadence=cadence)
         if mode == "atc":
             self._schedule.attach(model)
 
@@ -143,6 +147,8 @@ class DecentralizedMixin:
                 loss = closure()
         for b in self._buckets:
             gather_grads(b, self._sparse_grads_ok)
+        found_inf = getattr(self, "found_inf", None)
+        self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
         skip_update = self._amp_unscale_and_check()
         if self.mode == "awc":
             self._step_awc(skip_update)
@@ -179,6 +185,7 @@ class DecentralizedMixin:
         s.record_step_sq(step_sq)
         s.finish_step()
 
+    @traced("mix_update")
     def _update_awc(self, plan, skip_update: bool, measure: bool) -> Optional[torch.Tensor]:
         """The fused mix + update of every bucket; ||x^{t+1} - mix(x^t)||^2 when `measure`."""
         step_sq = []
@@ -204,6 +211,7 @@ class DecentralizedMixin:
             s.record_step_sq(sum_scalars([sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)]))
         s.atc_launch()
 
+    @traced("local_update")
     def _update_local(self, skip_update: bool):
         """The local update alone (ATC's adapt half)."""
         for b in self._buckets:

@@ -11,7 +11,8 @@ from .base import DecentralizedMixin
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
-                               track_disagreement=False, exchange="auto", check_finite=False)
+                               track_disagreement=False, exchange="auto", check_finite=False,
+                               gossip_every=1, warmup_steps=0)
 _DOC_OPTIONS = """
     Decentralized options (keyword-only):
         topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
@@ -38,6 +39,12 @@ _DOC_OPTIONS = """
         exchange: "auto" runs every step whose mixing is uniform averaging within groups of >= 3 ranks
             (complete, intra-node averaging, aer with inter="pair", ...) as one all-reduce per group, which moves
             fewer bytes than point-to-point gossip; "p2p" never does (see decent_comm.optim.plan.GroupSteps).
+        gossip_every: gossip every k-th step only, with local steps between (a communication interval, as
+            torch's PeriodicModelAverager's period or Bagua's communication_interval); the r-th gossiping step uses
+            the topology's step r (and an Adaptive topology decides per gossip round).
+        warmup_steps: all-reduce the gradients for the first steps instead of gossiping (torch's
+            PostLocalSGDOptimizer warm-up: the replicas start identical and stay so, DDP's update), then gossip.
+            Steps count from 0; gossip_every applies from warmup_steps on.
         check_finite: raise, naming the rank, the step and the bucket, when a rank's parameters become non-finite
             (checked before they are sent) or a neighbour's arrive non-finite, instead of letting a NaN spread
             through the gossip silently. Costs a device sync per bucket and step: for debugging.

@@ -26,7 +26,8 @@ from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
 from .mix_hooks import MixBeforeUse
-from .plan import GroupSteps, MixPlan, consensus_factor, mix_plan
+from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .tracing import traced
 
 log = logging.getLogger("decent_comm")
 
@@ -36,7 +37,7 @@ MODES = ("awc", "atc")
 class GossipSchedule:
     def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
                  lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
-                 track_disagreement: bool = False, check_finite: bool = False):
+                 track_disagreement: bool = False, check_finite: bool = False, cadence: Cadence = Cadence()):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.buckets = buckets
@@ -49,6 +50,7 @@ class GossipSchedule:
         consensus_factor(consensus, 0, lr())  # validate early
         self.comm_dtype = comm_dtype
         self.check_finite = bool(check_finite)
+        self.cadence = cadence
         self.t = 0                       # optimizer steps taken (the topology phase)
         self.inflight: Optional[MixPlan] = None  # awc: the plan of x^t; atc: of x^{t+1/2}
         self.pending = set()             # atc: buckets received but not yet mixed
@@ -78,7 +80,10 @@ class GossipSchedule:
     # ------------------------------------------------------------------------------------------ planning
 
     def plan(self, step: int) -> MixPlan:
-        if self.adaptive is not None and self.adaptive.decide(step):
+        r = self.cadence.round_of(step)
+        if r is None:  # a warm-up (gradient all-reduce) or local step
+            return MixPlan(step, 1.0, [], [], [], 1.0)
+        if self.adaptive is not None and self.adaptive.decide(r):
             self._trim_recv_buffers()
         # After a resume, the factor the interrupted run had already chosen for this step (from the lr in
         # effect when it launched the exchange) keeps the trajectory identical.
@@ -86,14 +91,34 @@ class GossipSchedule:
             a, self._resume_factor = self._resume_factor, None
         else:
             a = consensus_factor(self.consensus, step, self._lr())
-        return mix_plan(self.topology, self.rank, step, a, self.groups)
+        return mix_plan(self.topology, self.rank, step, a, self.groups, topo_step=r)
 
     def wants_step_sq(self, decision_step: int) -> bool:
-        return self.adaptive is not None and self.adaptive.wants_step_sq(decision_step)
+        r = self.cadence.round_of(decision_step)
+        return self.adaptive is not None and r is not None and self.adaptive.wants_step_sq(r)
 
     def record_step_sq(self, value: Optional[torch.Tensor]):
         if self.adaptive is not None and value is not None:
             self.adaptive.record_step_sq(value)
+
+    def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None) -> bool:
+        """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
+        identical). A blocking all-reduce per bucket, plus one of `found_inf` so every rank skips an overflow
+        together. Returns whether this step is a warm-up step."""
+        if not self.cadence.in_warmup(step):
+            return False
+        if self.world_size > 1:
+            self._allreduce_gradients(found_inf)
+        return True
+
+    @traced("warmup_allreduce")
+    @torch.no_grad()
+    def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
+        for b in self.buckets:
+            dist.all_reduce(b.grad, group=self.process_group)
+            b.grad.div_(self.world_size)
+        if found_inf is not None:
+            dist.all_reduce(found_inf, group=self.process_group)
 
     # -------------------------------------------------------------------------------------- communication
 
@@ -103,6 +128,7 @@ class GossipSchedule:
             bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
         return bufs[:k]
 
+    @traced("exchange_launch")
     @torch.no_grad()
     def launch(self, plan: MixPlan, made_by: Optional[int] = None):
         """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
@@ -121,6 +147,7 @@ class GossipSchedule:
             raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
                                f"{when} (check_finite=True; steps count from 0)")
 
+    @traced("exchange_wait")
     def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
         if self.exchange is not None and not plan.silent:
@@ -175,6 +202,7 @@ class GossipSchedule:
         if self.adaptive is not None:
             self.adaptive.observe_mix(plan, self.meter.total())
 
+    @traced("atc_mix")
     @torch.no_grad()
     def mix_pending(self, bucket_ids=None):
         """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
@@ -241,6 +269,7 @@ class GossipSchedule:
         # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
         nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
+                    gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
@@ -254,6 +283,10 @@ class GossipSchedule:
                                      " every rank loads its own state_dict (its optimizer state and where the gossip "
                                      "schedule stands). To start a schedule afresh from another rank's moments, drop "
                                      "the 'decentralized' entry before loading.")
+            for key in ("gossip_every", "warmup_steps"):
+                if key in extra and extra[key] != getattr(self.cadence, key):
+                    raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
+                                     f"{key}={getattr(self.cadence, key)}")
             if extra["topology"] != self.topology.fingerprint():
                 raise ValueError("the checkpoint was written with another topology (fingerprint "
                                  f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")

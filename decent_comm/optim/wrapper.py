@@ -9,6 +9,7 @@ from .. import ops
 from .adaptation import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
+from .tracing import traced
 
 
 class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
@@ -50,6 +51,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def _optimizer_name(self) -> str:
         return f"Decentralized({type(self.inner).__name__})"
 
+    @traced("mix_update")
     def _update_awc(self, plan, skip_update: bool, measure: bool):
         """mix(x^t) - x^t per bucket, then the inner step at x^t, then the mix added on top."""
         deltas = []
@@ -71,6 +73,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def _initialize_state(self):
         self.inner.step()  # the wrapped optimizer initializes its own state (torch semantics), without gossip
 
+    @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:
             self._closure_loss = self.inner.step(self._closure) if self._closure is not None else self.inner.step()
