@@ -112,7 +112,8 @@ def test_averaging_groups_checks_closure_not_just_sizes():
     for i, r in enumerate(rows):
         W[i, list(r)] = 1 / 3
     assert T.averaging_groups(T.from_matrix(W, allow_biased=True), 0) is None
-    assert T.averaging_groups(T.from_matrix(np.kron(np.eye(2), np.full((3, 3), 1 / 3))), 0) == [(0, 1, 2), (3, 4, 5)]
+    two_blocks = T.from_matrix(np.kron(np.eye(2), np.full((3, 3), 1 / 3)), allow_disconnected=True)  # never mixes
+    assert T.averaging_groups(two_blocks, 0) == [(0, 1, 2), (3, 4, 5)]
 
 
 def test_sparse_gap_matches_dense():
