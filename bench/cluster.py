@@ -47,7 +47,7 @@ ROOT = os.path.dirname(HERE)
 
 log = logging.getLogger("cluster")
 
-ONE_PEER = ("one-peer-exp", "one-peer-ring", "aer")   # one (inter-node) peer per rank and step
+ONE_PEER = ("one-peer-exp", "one-peer-hypercube", "one-peer-ring", "aer")   # one (inter-node) peer per rank and step
 STRAGGLER_SUFFIX = "+stragglers"
 
 WORKLOAD_DEFAULTS = {

@@ -47,6 +47,20 @@ def test_cli_table():
     assert "recommended:" in out and "skipped aer" in out and "ring" in out   # aer cannot be built on 3 nodes
 
 
+def test_cli_hypercube_where_the_world_size_is_a_power_of_two():
+    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "2", "--gpus-per-node", "2", "--inter-bw", "50Mbit",
+                                      "--json"])
+    d = json.loads(out)
+    assert code == 0 and "one-peer-hypercube" in d["candidates"]
+    # comm-bound on 2 nodes x 2 ranks: 1 buffer per step on the node link on average against one-peer-exp's 1.5
+    ratio = d["one-peer-exp"]["step_seconds"] / d["one-peer-hypercube"]["step_seconds"]
+    assert ratio == pytest.approx(1.5, rel=0.01)
+    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "3", "--gpus-per-node", "2", "--json"])
+    d = json.loads(out)
+    assert code == 0 and "one-peer-hypercube" not in d["candidates"] and not d["skipped"]
+    assert any("one-peer-hypercube skipped" in n and "power of two" in n and "6" in n for n in d["notes"])
+
+
 def test_cli_missing_required_inputs():
     code, _, err = run_cli(["plan", "--nodes", "2", "--params", "1M", "--compute", "10ms"])
     assert code == 2 and "--inter-bw is required" in err

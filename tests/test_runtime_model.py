@@ -18,7 +18,7 @@ from decent_comm.runtime_model.simulator import _processor_sharing
 
 GBIT = 1e9 / 8
 STATIC = ["ring", "exp", "torus", "complete"]
-TOPOS = ["one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete"]
+TOPOS = ["one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete"]
 
 
 def cluster(nodes=4, L=4, inter=25 * GBIT, intra=600 * GBIT, lat_e=10e-6, lat_a=3e-6, **kw):
@@ -204,6 +204,22 @@ def test_aer_loads_each_nic_every_other_step():
     inter = 4 * 260e6 / c.inter_bandwidth + c.inter_latency
     assert np.allclose(D.max(axis=1), inter)        # some node uses its NIC at every step...
     assert np.allclose(D.mean(axis=0).max(), (inter + 3 * 260e6 / c.intra_bandwidth + c.intra_latency) / 2)
+
+
+def test_hypercube_puts_one_buffer_per_step_on_the_node_link():
+    # 2 nodes x 2 ranks (the emulated cluster's layout): one-peer-exp's shift-2 step sends both ranks'
+    # buffers across, while the hypercube's first step stays inside the nodes
+    for name, per_step in (("one-peer-hypercube", [0, 2]), ("one-peer-exp", [1, 2])):
+        links = schedule_links(make_topology(name, 4, 2))
+        assert [x.node_egress.tolist() for x in links] == [[k, k] for k in per_step], name
+        assert [x.node_ingress.tolist() for x in links] == [[k, k] for k in per_step], name
+    c, w = cluster(nodes=2, L=2, inter=50e6 / 8, lat_e=0.0, lat_a=0.0), work(mu=0.12)
+    link = w.bytes_per_rank / c.inter_bandwidth     # one buffer over the node link: 41.6 s
+    hyper, ope = predict(c, w, "one-peer-hypercube"), predict(c, w, "one-peer-exp")
+    assert hyper.step_seconds == pytest.approx((max(0.12, w.bytes_per_rank / c.intra_bandwidth) + 2 * link) / 2)
+    assert ope.step_seconds == pytest.approx((link + 2 * link) / 2)   # ranks 0 and 2 wait for the link at both
+    sim = simulate(c, w, make_topology("one-peer-hypercube", 4, 2), steps=40, warmup=4).step_seconds
+    assert sim == pytest.approx(hyper.step_seconds, rel=0.01)
 
 
 # -- simulator ------------------------------------------------------------------------------

@@ -92,6 +92,26 @@ def test_array_tables_equal_peers(name, opts):
                                                                            b.max_indegree)
 
 
+def test_hypercube_tables_are_vectorized():
+    """The builder never asks ``peers`` (the per-rank path would be 2^20 x 20 Python calls here)."""
+    n = 1 << 20
+    topo = T.make("one-peer-hypercube", n, 8)
+
+    def no_peers(rank, step):
+        raise AssertionError("step_builder called peers")
+
+    topo.peers = no_peers   # an instance attribute: the class (and so the vectorized path) stays the same
+    t0 = time.process_time()
+    period, build = step_builder(topo)
+    assert period == 20
+    r = np.arange(n)
+    for t in (0, 3, 19):
+        m = build(t)
+        assert np.array_equal(m.dst, r) and np.array_equal(m.src, r ^ (1 << t))
+        assert (m.self_weight == 0.5).all() and (m.weight == 0.5).all()
+    assert time.process_time() - t0 < 10   # ~0.1 s on one idle core
+
+
 def test_averaging_groups_on_large_schedules():
     t0 = time.process_time()
     assert T.averaging_groups(T.make("complete", 2000), 0) == [tuple(range(2000))]
@@ -112,7 +132,8 @@ def test_averaging_groups_checks_closure_not_just_sizes():
     for i, r in enumerate(rows):
         W[i, list(r)] = 1 / 3
     assert T.averaging_groups(T.from_matrix(W, allow_biased=True), 0) is None
-    assert T.averaging_groups(T.from_matrix(np.kron(np.eye(2), np.full((3, 3), 1 / 3))), 0) == [(0, 1, 2), (3, 4, 5)]
+    two_blocks = T.from_matrix(np.kron(np.eye(2), np.full((3, 3), 1 / 3)), allow_disconnected=True)  # never mixes
+    assert T.averaging_groups(two_blocks, 0) == [(0, 1, 2), (3, 4, 5)]
 
 
 def test_sparse_gap_matches_dense():
@@ -137,7 +158,8 @@ def test_plan_of_16k_ranks():
     assert [x.name for x in p.candidates] == ["allreduce", *planner_mod.DEFAULT_TOPOLOGIES] and not p.skipped
     gap = {x.name: x.gap_per_step for x in p.candidates}
     assert gap["ring"] < 1e-6 and gap["torus"] is None
-    assert all(gap[name] == 1.0 for name in ("aer", "aer-pair", "base-k", "complete", "one-peer-exp"))
+    assert all(gap[name] == 1.0 for name in ("aer", "aer-pair", "base-k", "complete", "one-peer-exp",
+                                             "one-peer-hypercube"))
     assert not p.candidate("ring").eligible
     # the array path gives what the per-rank peers path gives
     generic = type("Generic", (OnePeerExponential,), {"peers": lambda self, r, s: OnePeerExponential.peers(self, r, s)})

@@ -41,6 +41,9 @@ def builtins(draw):
         L = draw(st.integers(1, 8))
         n = L * 2 ** draw(st.integers(0, 3))
         return T.make(name, n, local_world_size=L)
+    if name == "one-peer-hypercube":   # defined on powers of two only
+        n = 2 ** draw(st.integers(0, 6))
+        return T.make(name, n, local_world_size=draw(st.sampled_from(divisors(n))))
     n = draw(st.integers(1, 64))
     L = draw(st.sampled_from(divisors(n)))
     options = {"k": draw(st.integers(1, 3))} if name == "base-k" else {}
@@ -49,7 +52,7 @@ def builtins(draw):
 
 def promised_exact(topo):
     n = topo.world_size
-    return (n == 1 or topo.name in ("complete", "base-k", "aer", "aer-pair")
+    return (n == 1 or topo.name in ("complete", "base-k", "aer", "aer-pair", "one-peer-hypercube")
             or (topo.name == "one-peer-exp" and is_pow2(n)))
 
 
@@ -73,7 +76,7 @@ def test_builtin_mixing(topo):
     if promised_exact(topo):
         assert T.finite_time_exact(topo)
         assert gap.gap == pytest.approx(1.0)
-    if topo.name in ("one-peer-exp", "one-peer-ring"):
+    if topo.name in ("one-peer-exp", "one-peer-hypercube", "one-peer-ring"):
         assert all(topo.peers(i, t).degree <= 1 for t in range(topo.period) for i in range(n))
     if topo.name == "base-k":
         k = topo.k
@@ -136,8 +139,8 @@ def test_aliases_and_names():
     assert T.make("one_peer_exp", 8).name == "one-peer-exp"
     assert T.make("One-Peer_Ring", 8).name == "one-peer-ring"
     assert T.make("BASE_K", 8, k=2).name == "base-k"
-    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "aer", "aer-pair",
-                            "torus", "base-k", "local"}
+    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "one-peer-hypercube", "aer",
+                            "aer-pair", "torus", "base-k", "local"}
     assert T.make("aer_pair", 8, local_world_size=2).inter == "pair"
 
 

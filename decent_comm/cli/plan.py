@@ -89,8 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-size", type=SIZE, default=float(DDP_BUCKET_BYTES),
                    help="all-reduce bucket size (default 25MiB, as PyTorch DDP)")
     g = p.add_argument_group("planning")
-    g.add_argument("--topologies", help="comma list (default: one-peer-exp,exp,ring,aer,base-k,torus,complete;"
-                   " aer only when nodes is a power of two >= 2)")
+    g.add_argument("--topologies", help="comma list (default: one-peer-exp,one-peer-hypercube,exp,ring,aer,"
+                   "aer-pair,base-k,torus,complete; aer and aer-pair only when nodes is a power of two >= 2,"
+                   " one-peer-hypercube only when nodes x gpus-per-node is)")
     g.add_argument("--gap-threshold", type=number(hi=1), default=GAP_THRESHOLD,
                    help=f"minimum spectral gap per step to be recommended (default {GAP_THRESHOLD})")
     g.add_argument("--steps", type=integer(1, MAX_STEPS), default=500,
@@ -201,6 +202,9 @@ def topology_names(text, cluster, notes: list) -> list:
         if "aer" not in names:
             notes.append("aer skipped: it needs the number of nodes to be a power of two >= 2"
                          f" (got {cluster.nodes})")
+        if "one-peer-hypercube" not in names:
+            notes.append("one-peer-hypercube skipped: it needs the number of ranks to be a power of two"
+                         f" (got {cluster.world_size})")
         return names
     names = []
     for raw in (t.strip() for t in text.split(",")):

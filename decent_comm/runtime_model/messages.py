@@ -21,7 +21,8 @@ import itertools
 import numpy as np
 
 from ..topology.aer import AlternatingExponentialRing
-from ..topology.builtins import Complete, Exponential, Local, OnePeerExponential, OnePeerRing, Ring, Torus
+from ..topology.builtins import (Complete, Exponential, Local, OnePeerExponential, OnePeerHypercube, OnePeerRing,
+                                Ring, Torus)
 from ..topology.schedule import Round, ScheduleTopology
 
 #: The most messages one step may have (int64 src/dst + float64 weight: ~400 MB at the limit).
@@ -88,6 +89,13 @@ def _one_peer_ring(topo: OnePeerRing, step: int) -> Messages:
     j = np.where(j == n, 0 if n % 2 == 0 else -1, j)          # the wrap-around pair exists for even n only
     j = np.where(j < 0, n - 1 if n % 2 == 0 else -1, j)
     return _pairs(n, np.where(j == r, -1, j))
+
+
+def _hypercube(topo: OnePeerHypercube, step: int) -> Messages:
+    """Rank i pairs with ``i XOR 2^(step mod period)`` (no partner when n = 1)."""
+    n = topo.world_size
+    r = np.arange(n, dtype=np.int64)
+    return _pairs(n, r ^ (1 << (step % topo.period)) if n > 1 else np.full(n, -1, dtype=np.int64))
 
 
 def group_messages(n: int, members: np.ndarray, sizes: np.ndarray) -> Messages:
@@ -187,6 +195,8 @@ def step_builder(topology):
         return period, lambda t: _torus(topology)
     if _own(topology, OnePeerRing):
         return period, lambda t: _one_peer_ring(topology, t)
+    if _own(topology, OnePeerHypercube):
+        return period, lambda t: _hypercube(topology, t)
     if _own(topology, Local):
         return period, lambda t: Messages(np.ones(n), *(np.empty(0, dtype=np.int64),) * 2, np.empty(0))
     if _own(topology, AlternatingExponentialRing):

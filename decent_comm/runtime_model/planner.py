@@ -20,8 +20,9 @@ every candidate is compared by its closed form (a note says so).  A
 point-to-point step with more than ``messages.MAX_MESSAGES`` messages (complete
 on thousands of ranks with ``exchange="p2p"``) skips that candidate.
 
-Default candidates: one-peer-exp, exp, ring, aer and aer-pair (only when the
-number of nodes is a power of two >= 2), base-k, torus, complete.  A candidate
+Default candidates: one-peer-exp, one-peer-hypercube (only when the number of
+ranks is a power of two), exp, ring, aer and aer-pair (only when the number of
+nodes is a power of two >= 2), base-k, torus, complete.  A candidate
 that cannot be built for the cluster (e.g. aer on 3 nodes) is skipped with the
 reason in ``Plan.skipped``.
 """
@@ -37,7 +38,8 @@ from .loads import schedule_of
 from .mixing import sparse_gap_per_step
 from .simulator import SimResult, simulate, simulate_allreduce
 
-DEFAULT_TOPOLOGIES = ("one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete")
+DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
+                      "complete")
 GAP_THRESHOLD = 0.1
 #: spectral gaps are dense n x n linear algebra up to this world size; above, ``mixing.sparse_gap_per_step``
 MAX_GAP_WORLD_SIZE = 1024
@@ -97,10 +99,13 @@ class Plan:
 
 
 def default_topologies(cluster) -> list:
-    """``DEFAULT_TOPOLOGIES``, without aer / aer-pair unless ``nodes`` is a power of two >= 2."""
-    N = cluster.nodes
+    """``DEFAULT_TOPOLOGIES``, without aer / aer-pair unless ``nodes`` is a power of two >= 2 and without
+    one-peer-hypercube unless the world size is a power of two (the schedules exist only there)."""
+    N, n = cluster.nodes, cluster.world_size
     aer_ok = N >= 2 and N & (N - 1) == 0
-    return [t for t in DEFAULT_TOPOLOGIES if not t.startswith("aer") or aer_ok]
+    hypercube_ok = n & (n - 1) == 0
+    return [t for t in DEFAULT_TOPOLOGIES
+            if (aer_ok or not t.startswith("aer")) and (hypercube_ok or t != "one-peer-hypercube")]
 
 
 @functools.lru_cache(maxsize=256)

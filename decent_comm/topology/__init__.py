@@ -6,8 +6,8 @@ rank's part of it (``self_weight``, ``recv`` and ``send``) cheaply; the
 optimizer and scheduler consume that.
 
 * ``make(name, world_size, local_world_size=None, **options)``: built-ins
-  ``NAMES`` = complete, ring, one-peer-ring, exp, one-peer-exp, aer, torus,
-  base-k, local.
+  ``NAMES`` = complete, ring, one-peer-ring, exp, one-peer-exp,
+  one-peer-hypercube, aer, aer-pair, torus, base-k, local.
 * ``from_matrix(W | [W0, W1, ...])``, ``from_networkx(G)``, or subclass
   ``Topology`` implementing ``peers`` or ``matrix``.
 * ``with_consensus(topology, a)`` / ``topology.mixed(a)``: ``(1-a) I + a W``.

@@ -6,8 +6,8 @@ import functools
 from .aer import AlternatingExponentialRing
 from .base import Topology
 from .base_k import BaseGraph
-from .builtins import (Complete, Exponential, Local, OnePeerExponential, OnePeerRing, Ring,
-                       Torus)
+from .builtins import (Complete, Exponential, Local, OnePeerExponential, OnePeerHypercube, OnePeerRing,
+                       Ring, Torus)
 from .validation import check_world_size, resolve_local_world_size
 
 # name -> (class, accepted options)
@@ -17,6 +17,7 @@ _BUILTINS = {
     "one-peer-ring": (OnePeerRing, ()),
     "exp": (Exponential, ()),
     "one-peer-exp": (OnePeerExponential, ()),
+    "one-peer-hypercube": (OnePeerHypercube, ()),
     "aer": (AlternatingExponentialRing, ("inter",)),
     # aer whose inter-node step averages whole node pairs: every step runs as group all-reduces.
     "aer-pair": (functools.partial(AlternatingExponentialRing, inter="pair"), ()),
