@@ -22,7 +22,8 @@ import torch
 from .. import ops
 from . import diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import Bucket, build_buckets, count_steps, gather_grads, publish_state, segments, zero_grads
+from .buckets import (Bucket, build_buckets, count_steps, gather_grads, load_state, publish_state, segments,
+                      zero_grads)
 from .plan import Cadence
 from .schedule import MODES, GossipSchedule
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
@@ -356,9 +357,6 @@ class DecentralizedMixin:
     def _param_list(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _slot_of(self):
-        return {id(s.param): (b, i) for b in self._buckets for i, s in enumerate(b.slots)}
-
     def _optimizer_state_dict(self) -> dict:
         """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
         return super().state_dict()
@@ -370,25 +368,7 @@ class DecentralizedMixin:
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
         param_of = dict(zip(saved_ids, self._param_list()))
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        slot_of = self._slot_of()
-        with torch.no_grad():
-            for b in self._buckets:
-                b.step_count.zero_()
-                b.published = [False] * len(b.slots)
-            for key, st in saved_state.items():
-                p = param_of.get(key)
-                if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
-                    p = param_of.get(int(key))
-                if p is None or not st:
-                    continue
-                b, i = slot_of[id(p)]
-                for name, value in st.items():
-                    if name == "step":
-                        b.step_count[i] = float(value)
-                    elif value is not None:
-                        b.view(b.state_buffer(name), b.slots[i]).copy_(value)
-            for b in self._buckets:
-                publish_state(b, self.state)
+        load_state(self._buckets, saved_state, param_of, self.state)
 
     def state_dict(self):
         self.synchronize()

@@ -220,6 +220,30 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False) -> None:
             b.published[i] = True
 
 
+@torch.no_grad()
+def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state) -> None:
+    """Copies a torch.optim state_dict's per-parameter state into the flat buffers. `param_of`: saved key (an
+    index, or an FQN from torch.distributed.checkpoint) -> the parameter it names."""
+    slot_of = find_bucket_of(buckets)
+    for b in buckets:
+        b.step_count.zero_()
+        b.published = [False] * len(b.slots)
+    for key, st in saved_state.items():
+        p = param_of.get(key)
+        if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
+            p = param_of.get(int(key))
+        if p is None or not st:
+            continue
+        b, i = slot_of[id(p)]
+        for name, value in st.items():
+            if name == "step":
+                b.step_count[i] = float(value)
+            elif value is not None:
+                b.view(b.state_buffer(name), b.slots[i]).copy_(value)
+    for b in buckets:
+        publish_state(b, state)
+
+
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
     """id(param) -> (bucket, slot index)."""
     return {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
