@@ -106,6 +106,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK with nccl when CUDA is available, else cpu with gloo")
     g.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (1: ranks share the cores)")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of a few steps per rank to DIR/trace_rank<r>.json "
+                        "(decent_train/profiling.py; bench/trace_picture.py draws it)")
     g.add_argument("--straggler-ms", type=lambda s: tuple(float(v) for v in s.split(",")), default=None,
                    metavar="MEAN,STD", help="straggler emulation: every rank sleeps max(0, N(MEAN, STD)) ms before "
                                             "each step's forward (its own random stream; data is unchanged)")

@@ -23,6 +23,7 @@ from .distributed import DistEnv, close_distributed, init_distributed, rank_seed
 from .flags import resolve_defaults
 from .lr_schedule import make_lr_scheduler
 from .plot import plot_runs
+from .profiling import step_profiler, step_range
 from .runlog import RunLog
 from .strategy import Strategy, build_strategy
 from .task import Task, cross_entropy, evaluate
@@ -86,12 +87,15 @@ def progress_bar(env: DistEnv, args, start: int):
 
 def train_step(args, task: Task, strategy: Strategy, generator: torch.Generator, device) -> torch.Tensor:
     x, y = task.sample_batch(generator)
-    loss = cross_entropy(strategy.forward_module(x.to(device)), y.to(device))
-    loss.backward()
-    if args.grad_clip > 0:
-        strategy.clip_grad_(task.model, args.grad_clip)
-    strategy.optimizer.step()
-    strategy.optimizer.zero_grad()
+    with step_range("forward"):
+        loss = cross_entropy(strategy.forward_module(x.to(device)), y.to(device))
+    with step_range("backward"):
+        loss.backward()
+    with step_range("optimizer_step"):
+        if args.grad_clip > 0:
+            strategy.clip_grad_(task.model, args.grad_clip)
+        strategy.optimizer.step()
+        strategy.optimizer.zero_grad()
     return loss
 
 
@@ -146,12 +150,14 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
 
     interval = Interval(env.device, task.items_per_batch * env.world_size, task.item_name)
     straggle = Straggler(getattr(args, "straggler_ms", None), args.seed, env.rank)
-    with progress_bar(env, args, progress.step) as bar:
+    with progress_bar(env, args, progress.step) as bar, \
+            step_profiler(getattr(args, "profile", None), env.rank, env.device) as profiler_step:
         watch = (stopwatch_cls or Stopwatch)(env.device)
         while progress.step < args.steps:
             lr = strategy.optimizer.param_groups[0]["lr"]  # the lr this step uses
             straggle()
             interval.add(train_step(args, task, strategy, generator, env.device))
+            profiler_step()
             scheduler.step()
             progress.step += 1
             step = progress.step

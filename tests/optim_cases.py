@@ -9,6 +9,7 @@ import decent_comm
 
 from optim_reference import Reference
 
+
 def make_model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
@@ -18,6 +19,15 @@ def batch(rank, t):
     g = torch.Generator().manual_seed(1000 * rank + t)
     return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
 
+
+
+def train_steps(rank, model, opt, steps, start=0):
+    """`steps` steps of the tests' regression problem on rank's batches from step `start` on."""
+    for t in range(start, start + steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
 
 def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -12,7 +12,7 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, batch, make_model, run_against_reference, flat_params
+from optim_cases import OPTIMIZERS, batch, flat_params, make_model, run_against_reference, train_steps
 
 CADENCES = {"every3": dict(gossip_every=3), "warmup4": dict(warmup_steps=4),
             "warmup3-every2": dict(gossip_every=2, warmup_steps=3)}
@@ -58,29 +58,22 @@ def _resume_mid_interval(rank, n, mode):
         return decent_comm.DAdamW(model.parameters(), lr=0.02, topology="one-peer-exp", mode=mode, model=model,
                                   gossip_every=3, warmup_steps=2, timeout=30)
 
-    def train(model, opt, steps, start):
-        for t in range(start, start + steps):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-
     model = make_model(rank)
     opt = build(model)
-    train(model, opt, 12, 0)
+    train_steps(rank, model, opt, 12, 0)
     opt.synchronize()
     straight = flat_params(model)
     opt.shutdown()
     model = make_model(rank)
     opt = build(model)
-    train(model, opt, 7, 0)
+    train_steps(rank, model, opt, 7, 0)
     ckpt = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
     opt.shutdown()
     model = make_model(10 + rank)
     opt = build(model)
     model.load_state_dict(ckpt[1])
     opt.load_state_dict(ckpt[0])
-    train(model, opt, 5, 7)
+    train_steps(rank, model, opt, 5, 7)
     opt.synchronize()
     err = (flat_params(model) - straight).abs().max().item()
     other = decent_comm.DAdamW(make_model(0).parameters(), topology="one-peer-exp", gossip_every=2, warmup_steps=2,

@@ -136,3 +136,19 @@ def test_train_classifier_wrapper_atc(tmp_path):
     log = read_log(out)
     assert 0.0 <= log["summary"]["final_val_acc"] <= 1.0
     assert log["summary"]["topology"] == "ring"
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_train_lm_profile_trace(tmp_path, mode):
+    """--profile writes each rank's trace with the training phases and decent_comm's exchange ranges, and the
+    job still exits 0: the exchange is in flight when the profiler stops (a c10d profiler range left open on
+    gloo's thread then used to crash the process at exit with SIGSEGV)."""
+    out = tmp_path / "trace"
+    torchrun("train_lm.py", ["--optimizer", "dadamw", "--topology", "ring", "--mode", mode, "--steps", "12",
+                             "--eval-every", "12", "--profile", str(out), *LM_TINY])
+    for rank in (0, 1):
+        with open(out / f"trace_rank{rank}.json") as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"] if e.get("ph") == "X"}
+        expected = {"train::forward", "train::backward", "train::optimizer_step", "decent_comm::exchange_launch",
+                    "decent_comm::exchange_wait"}
+        assert expected <= names, sorted(n for n in names if "::" in str(n))[:40]

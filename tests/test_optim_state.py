@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import decent_comm
 
 from dist_utils import run_ranks
-from optim_cases import batch, flat_params, make_model
+from optim_cases import batch, flat_params, make_model, train_steps
 
 
 @pytest.mark.parametrize("ctor, ref_ctor, keys", [
@@ -52,22 +52,15 @@ CASES = {
 
 
 def _dcp_round_trip(rank, n, case):
-    def train(model, opt, steps, start):
-        for t in range(start, start + steps):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-
     model = make_model(rank)
     opt = CASES[case](model.parameters(), model)
-    train(model, opt, 3, 0)
+    train_steps(rank, model, opt, 3, 0)
     opt.synchronize()  # ATC: state_dict() applies the pending mix first (the same x^{t+1} the next forward uses)
     before, t_before = flat_params(model).clone(), opt._schedule.t
     msd, osd = get_state_dict(model, opt)
     side_effect = (flat_params(model) - before).abs().max().item() + abs(opt._schedule.t - t_before)
     ckpt = copy.deepcopy((msd, osd))
-    train(model, opt, 3, 3)
+    train_steps(rank, model, opt, 3, 3)
     opt.synchronize()
     straight = flat_params(model).clone()
     opt.shutdown()
@@ -76,7 +69,7 @@ def _dcp_round_trip(rank, n, case):
     opt = CASES[case](model.parameters(), model)
     set_state_dict(model, opt, model_state_dict=ckpt[0], optim_state_dict=ckpt[1])
     restored_t = opt._schedule.t
-    train(model, opt, 3, 3)
+    train_steps(rank, model, opt, 3, 3)
     opt.synchronize()
     err = (flat_params(model) - straight).abs().max().item()
     opt.shutdown()

@@ -1,6 +1,7 @@
 // The ProcessGroup transport (see process_group_transport.h).
 #include "process_group_transport.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -102,6 +103,13 @@ std::unique_ptr<TransportSlot> ProcessGroupTransport::make_slot() { return std::
 
 void ProcessGroupTransport::post(std::vector<PgPending>& pending, const at::Tensor& tensor, PeerOp op, int tag) {
   one_[0] = tensor;
+  // No profiler range on the backend's work: c10d attaches an async RecordFunction ("gloo:send") to every
+  // Work created while a profiler runs, and ends it on the backend's thread when the transfer completes. An
+  // exchange is in flight across step() boundaries, so a profiler stopped between steps leaves those ranges
+  // open; ending them afterwards writes into the stopped profiler's event storage, and the process dies with
+  // SIGSEGV at exit (seen with torch 2.14 + gloo). Our own ranges (decent_comm::exchange_launch/_wait) mark
+  // where the host issues and waits for the exchange.
+  at::DisableRecordFunctionGuard no_async_profiler_range;
   try {
     pending.push_back({op.is_send ? backend_->send(one_, op.peer, tag) : backend_->recv(one_, op.peer, tag), op});
   } catch (...) {
