@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export MAX_JOBS
 
-.PHONY: all venv build test demo bench cmake-build clean
+.PHONY: all venv importable build test demo bench cmake-build clean
 
 all: build
 
@@ -28,8 +28,14 @@ $(STAMP): requirements-dev.txt Makefile
 venv: $(STAMP)
 
 # In-place build; ninja makes it incremental.
-build: $(STAMP)
+build: $(STAMP) importable
 	$(VPY) setup.py -q build_ext --inplace
+
+# A .pth file in the venv's site-packages names this checkout, so the venv's python imports decent_comm (built in
+# place) and the decent_train harness from any directory: bench scripts, torchrun workers, `sudo .venv/bin/python`
+# (no sys.path edits in the scripts; nothing is installed or copied, edits take effect at once).
+importable: $(STAMP)
+	$(VPY) -c 'import os, sys, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "decent_comm_checkout.pth"), "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 
 test: build
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
@@ -46,7 +52,7 @@ bench: build
 # The CMake build of the same extension (CPU kernels; add -DDECENT_COMM_CUDA=ON for CUDA).
 # A CUDA build of torch needs its toolkit found even for a CPU-only extension (Caffe2Config checks it),
 # and an arch list, or it try-runs a GPU probe.
-cmake-build: $(STAMP)
+cmake-build: $(STAMP) importable
 	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja \
 	  -DPython_EXECUTABLE=$(abspath $(VPY)) -DDECENT_COMM_CUDA=OFF \
 	  -DCUDA_TOOLKIT_ROOT_DIR="$$($(PYTHON) build_tools/cuda_home.py)"

@@ -1,7 +1,8 @@
 """Builds decent_comm and its native extension decent_comm._C with torch.utils.cpp_extension + ninja.
 
-The CPU kernels are always built. The CUDA kernels (and the NCCL transport) are built when nvcc is found
-and torch is a CUDA build, even with no GPU present; DECENT_COMM_CUDA=0|1 forces either way.
+The CPU kernels are always built. The CUDA kernels (and the NCCL transport) are built when nvcc is found,
+torch is a CUDA build, and a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures (CI sets it to
+compile CUDA without a GPU); DECENT_COMM_CUDA=0|1 forces either way.
 
     pip install --no-build-isolation -e .        # or: python setup.py build_ext --inplace
 """
@@ -34,18 +35,27 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 
 def want_cuda():
+    """(build the CUDA kernels?, why). CUDA takes most of the build time (nvcc on the kernels and the NCCL
+    transport), so without a GPU to run them it is built only when asked for."""
     forced = os.environ.get("DECENT_COMM_CUDA")
     have = bool(_cuda_home) and os.path.exists(os.path.join(_cuda_home, "bin", "nvcc")) and bool(torch.version.cuda)
     if forced == "0":
-        return False
+        return False, "DECENT_COMM_CUDA=0"
     if forced == "1":
         if not have:
             raise RuntimeError(
                 f"DECENT_COMM_CUDA=1 but no usable CUDA toolchain: CUDA_HOME={_cuda_home!r}, "
                 f"torch.version.cuda={torch.version.cuda!r}"
             )
-        return True
-    return have
+        return True, "DECENT_COMM_CUDA=1"
+    if not have:
+        return False, f"no CUDA toolchain (CUDA_HOME={_cuda_home!r}, torch.version.cuda={torch.version.cuda!r})"
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return True, f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
+    if torch.cuda.is_available():
+        return True, "a GPU is visible"
+    return False, ("nvcc found but no GPU visible; set DECENT_COMM_CUDA=1 or TORCH_CUDA_ARCH_LIST to build the "
+                   "CUDA kernels anyway")
 
 
 def cxx_std_flag():
@@ -60,9 +70,9 @@ def build_extension():
     define_macros = []
     include_dirs = [os.path.join(ROOT, "csrc")]
     extra_link_args = ["-fopenmp"]
-    use_cuda = want_cuda()
+    use_cuda, why = want_cuda()
     if not use_cuda:
-        log(f"building CPU kernels only (CUDA_HOME={_cuda_home!r}, torch.version.cuda={torch.version.cuda!r})")
+        log(f"building the CPU kernels only: {why}")
         return CppExtension(
             "decent_comm._C",
             sources,
@@ -74,7 +84,8 @@ def build_extension():
 
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
-    log(f"building CPU + CUDA kernels (CUDA_HOME={_cuda_home}, archs {os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPU')})")
+    log(f"building the CPU and CUDA kernels ({why}; CUDA_HOME={_cuda_home}, archs "
+        f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPU')})")
     sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     define_macros.append(("DECENT_COMM_WITH_CUDA", None))
     nccl = None if os.environ.get("DECENT_COMM_NCCL") == "0" else find_nccl()

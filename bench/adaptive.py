@@ -19,12 +19,11 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 
+from lm_runs import add_run_args, run_train_lm  # bench/, this script's directory
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from lm_runs import add_run_args, run_train_lm  # noqa: E402
 log = logging.getLogger("bench.adaptive")
 
 DEFAULT_ADAPTIVE = "adaptive:consensus:one-peer-exp,exp,complete"

@@ -5,7 +5,7 @@
                                                           # 2 cores; --workloads synthetic: ~16 min)
 
 For each workload and layout (NODESxRANKS) one torchrun job per node runs, in network namespaces joined by
-a switch whose links are shaped with tc tbf (bench/netns_cluster.py; without root: loopback, no shaping,
+a switch whose links are shaped with tc tbf (decent_train.cluster; without root: loopback, no shaping,
 and the table says so). Inside the job (bench/cluster_worker.py) three phases run the same model:
 
 * comm-bound: links at --comm-bw (chosen so one all-reduce of the parameters takes longer than a step's
@@ -18,10 +18,10 @@ and the table says so). Inside the job (bench/cluster_worker.py) three phases ru
   slowdown = T(stragglers) / T(compute-bound) - 1 isolates the cost of waiting for slow ranks. These runs
   are interleaved with the compute-bound ones (same links; each method's pair back to back).
 
-Workloads (--workloads): `synthetic` (bench/synthetic_train.py: compute is a sleep of --compute-ms, so the
-comm/compute ratio is exactly what the flags say and sleeping ranks leave the CPU to communication, as GPUs
-would) and `lm` (examples/train_lm.py: the byte-level GPT with real CPU compute; 4 ranks share 2 cores with
-the communication threads, so overlap gains are smaller than on real nodes).
+Workloads (--workloads): `synthetic` (decent_train/workloads/synthetic.py: compute is a sleep of --compute-ms, so
+the comm/compute ratio is exactly what the flags say and sleeping ranks leave the CPU to communication, as GPUs
+would) and `lm` (decent_train/workloads/lm.py, what examples/train_lm.py trains: the byte-level GPT with real CPU
+compute; 4 ranks share 2 cores with the communication threads, so overlap gains are smaller than on real nodes).
 
 Reported per run: mean step time = training wall time / steps over all steps after the first evaluation
 interval (warm-up), the slowest rank included (not a median); speedup over DDP in the same phase; final
@@ -37,18 +37,17 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 
+from decent_train.cluster import EmulatedCluster, format_bits, parse_bandwidth_bits
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from netns_cluster import EmulatedCluster, format_bits, parse_bandwidth_bits  # noqa: E402
 
 log = logging.getLogger("cluster")
 
-ONE_PEER = ("one-peer-exp", "one-peer-ring", "aer")   # one (inter-node) peer per rank and step
+ONE_PEER = ("one-peer-exp", "one-peer-hypercube", "one-peer-ring", "aer")   # one (inter-node) peer per rank and step
 STRAGGLER_SUFFIX = "+stragglers"
 
 WORKLOAD_DEFAULTS = {

@@ -13,24 +13,25 @@ PLAN.json (written by the driver):
 
 Per phase: rank 0 asks the driver to shape the links (writes DIR/phase<k>.request, waits for
 DIR/phase<k>.ready), then every rank measures the links (inter- and intra-node point-to-point bandwidth
-and latency, all-reduce time of the model's parameters), then trains each run with examples/common.run
+and latency, all-reduce time of the model's parameters), then trains each run with decent_train.loop.run
 (argv: the workload's flags). Once per job, before the first phase, every rank times its own training
 steps with no communication at all (forward + backward + AdamW update: the compute time C the runtime
 model takes), all ranks at once so they share the CPU as in the real runs.
 
-Straggler emulation (examples/common.py --straggler-ms MEAN,STD): a phase's `straggler` gives STD as a
+Straggler emulation (--straggler-ms MEAN,STD, decent_train.loop.Straggler): a phase's `straggler` gives STD as a
 fraction of the run's own mean compute (C + MEAN) and MEAN = mean_over_std x STD, so runs with extra
 "constant" sleep MEAN every step (no variance) and runs with "random" sleep max(0, N(MEAN, STD)): the same
 mean compute, only the variance differs (sigma^2 = Var[C] / E[C]^2 as in the runtime model).
 
-Timing: examples/common.py stops its stopwatch at each log point; here every rank first waits at a barrier,
+Timing: decent_train.loop stops its stopwatch at each log point; here every rank first waits at a barrier,
 so a run's training time lasts until its slowest rank has finished the step (rank 0 alone could be ahead of
 its neighbours in a decentralized run). Runs log only at evaluation points (--log-every = --eval-every),
 which are collectives anyway.
 
-Rank 0 writes DIR/results.json: the probes and, per run, common.run's summary and rows.
+Rank 0 writes DIR/results.json: the probes and, per run, decent_train.loop.run's summary and rows.
 """
 
+import importlib
 import json
 import os
 import statistics
@@ -40,25 +41,23 @@ import time
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, HERE)
-import common  # noqa: E402
+from decent_train.distributed import DistEnv, rank_seed
+from decent_train.flags import resolve_defaults
+from decent_train.loop import Stopwatch, train_step
+from decent_train.loop import run as run_training  # not `run`: main() loops over the plan's runs as `run`
+from decent_train.strategy import Strategy, torch_optimizer
+
+WORKLOADS = ("lm", "synthetic")   # modules of decent_train.workloads
 
 
 def workload_module(name: str):
-    if name == "lm":
-        import train_lm
-        return train_lm
-    if name == "synthetic":
-        import synthetic_train
-        return synthetic_train
-    raise ValueError(f"unknown workload {name!r}")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}")
+    return importlib.import_module(f"decent_train.workloads.{name}")
 
 
-class JobStopwatch(common.Stopwatch):
-    """common.Stopwatch whose stop() waits for every rank first (see the module docstring)."""
+class JobStopwatch(Stopwatch):
+    """decent_train.loop.Stopwatch whose stop() waits for every rank first (see the module docstring)."""
 
     def stop(self) -> float:
         if dist.is_initialized():
@@ -82,19 +81,19 @@ def wait_for_driver(out: str, k: int, bandwidth, timeout: float = 120.0):
 
 def compute_probe(mod, argv, steps: int) -> dict:
     """Per-step compute time (no communication) of every rank, all ranks at once; returns rank 0's view."""
-    env = common.DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
+    env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
     args = mod.parse_args(argv)
-    common.resolve_defaults(args, mod.LR_DEFAULTS)
+    resolve_defaults(args, mod.LR_DEFAULTS)
     torch.manual_seed(args.seed)
     task = mod.build_task(args, env)
-    opt = common.torch_optimizer(torch.optim.AdamW, task.model.parameters(), args)
-    strategy = common.Strategy(opt, task.model, decentralized=False)
-    gen = torch.Generator().manual_seed(common.rank_seed(args.seed, env.rank))
+    opt = torch_optimizer(torch.optim.AdamW, task.model.parameters(), args)
+    strategy = Strategy(opt, task.model, decentralized=False)
+    gen = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
     times = []
     dist.barrier()
     for i in range(steps + 2):                      # 2 warm-up steps
         t0 = time.perf_counter()
-        common.train_step(args, task, strategy, gen, torch.device("cpu"))
+        train_step(args, task, strategy, gen, torch.device("cpu"))
         if i >= 2:
             times.append(time.perf_counter() - t0)
     everyone = [None] * env.world_size
@@ -214,7 +213,7 @@ def main(plan_path: str):
             argv += ["--out", run_out, "--no-progress"]
             dist.barrier()
             t0 = time.perf_counter()
-            summary = common.run(mod.parse_args(argv), mod.build_task, mod.LR_DEFAULTS, stopwatch_cls=JobStopwatch)
+            summary = run_training(mod.parse_args(argv), mod.build_task, mod.LR_DEFAULTS, stopwatch_cls=JobStopwatch)
             wall = time.perf_counter() - t0
             if rank == 0:
                 with open(os.path.join(run_out, "log.json")) as f:

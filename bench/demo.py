@@ -21,15 +21,13 @@ in a few minutes on a 2-core machine; the flags below trade time for fidelity.
 import argparse
 import logging
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import common  # noqa: E402
-from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
+from decent_comm.optim import MODES
+from decent_train.plot import plot_runs
+from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # bench/, this script's directory
 
-from decent_comm.optim import MODES  # noqa: E402  (lm_runs put the repository on sys.path)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 log = logging.getLogger("demo")
 
@@ -102,7 +100,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     plot = os.path.join(args.out, "demo.png")
-    common.plot_runs({label: r["rows"] for label, r in results}, plot,
+    plot_runs({label: r["rows"] for label, r in results}, plot,
                      title=f"byte-level GPT on stdlib source, {args.nproc} ranks")
     print(f"plot: {plot}\ntable: {os.path.join(args.out, 'results.md')}")
 

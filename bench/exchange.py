@@ -13,6 +13,11 @@ Targets: ours/batch <= 1.05 (no overhead over torch's p2p), and ours-one-peer-ex
 8 ranks for >= 25 MB.
 
     python bench/exchange.py [--quick] [--world-sizes 2,4,8] [--sizes-mb 1,25,100] [--reps N] [--json PATH]
+
+--nccl-self (one GPU): the NCCL transport's throughput, one rank exchanging with itself (the tests-only
+loopback: a send to and a receive from the own rank in one NCCL group), fp32 and with a bf16 wire, at 16M and
+64M elements; N back-to-back exchange+wait per pair of CUDA events, the median of the repetitions. GB/s counts
+the bytes sent; beside it the device's copy bandwidth (x.copy_(y), bytes read + written) of the same run.
 """
 import argparse
 import datetime
@@ -27,9 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from decent_comm import topology as T  # noqa: E402
-from decent_comm.exchange import Exchanger  # noqa: E402
+from decent_comm import topology as T
+from decent_comm.exchange import Exchanger
 
 TOPOLOGIES = ["one-peer-exp", "ring", "exp"]
 
@@ -75,8 +79,11 @@ def worker(rank, world_size, port, sizes_mb, reps, queue):
         for mb in sizes_mb:
             numel = int(mb * 2**20) // 4
             cands = candidates(rank, world_size, numel, ex)
-            for name, fn in cands.items():  # warm-up: connections, first-touch of the buffers
-                fn(0)
+            # Warm-up: connections, first-touch of the buffers, and a whole period of every topology's steps, so
+            # each (peer, direction) has made its one size/dtype handshake before the timed steps.
+            for name, fn in cands.items():
+                for step in range(world_size):
+                    fn(step)
             samples = {name: [] for name in cands}
             # Small buffers are quick and noisier: more repetitions for the same confidence.
             for rep in range(reps * 4 if mb <= 1 else reps):
@@ -129,6 +136,44 @@ def table(rows):
     return "\n".join(lines)
 
 
+def nccl_self(reps, inner=10, sizes=(1 << 24, 1 << 26)):
+    """Rows of the NCCL self-exchange (see the module docstring) and the device copy bandwidth in GB/s."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def median_s(fn):
+        fn()  # warm-up: connection, handshake, first-touch
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / inner)
+        return statistics.median(samples)
+
+    src, dst = torch.randn(sizes[-1], device="cuda"), torch.empty(sizes[-1], device="cuda")
+    copy_gbps = 2 * src.nbytes / median_s(lambda: dst.copy_(src)) / 1e9
+    rows = []
+    for wire in (None, torch.bfloat16):
+        with Exchanger(device="cuda", timeout=120, wire_dtype=wire, _allow_self_exchange=True) as ex:
+            for numel in sizes:
+                send = torch.randn(numel, device="cuda")
+                recv = torch.empty(numel, dtype=wire or send.dtype, device="cuda")
+
+                def one():
+                    ex.exchange(0, send, [recv], [0], [0])
+                    ex.wait(0)
+
+                seconds = median_s(one)
+                rows.append(dict(numel=numel, wire=str(wire or send.dtype).replace("torch.", ""), median_s=seconds,
+                                 gbps=recv.nbytes / seconds / 1e9))
+    dist.destroy_process_group()
+    return dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps, inner=inner, reps=reps, rows=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 and 4 ranks, 1 and 25 MB, 5 repetitions (< 1 min)")
@@ -136,8 +181,22 @@ def main():
     ap.add_argument("--sizes-mb", default=None, help="comma-separated buffer sizes in MB (default 1,25,100)")
     ap.add_argument("--reps", type=int, default=None,
                     help="repetitions per candidate (default 9; 4x that for buffers <= 1 MB)")
-    ap.add_argument("--json", default=None, help="output (default bench/results/exchange_cpu[_quick].json)")
+    ap.add_argument("--json", default=None, help="output (default bench/results/exchange_cpu[_quick].json, "
+                                                  "exchange_nccl_self.json)")
+    ap.add_argument("--nccl-self", action="store_true", help="one GPU: the NCCL transport exchanging with itself")
     args = ap.parse_args()
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    if args.nccl_self:
+        out = nccl_self(args.reps or 9)
+        print(f"| NCCL self-exchange ({out['device']}) | elements | wire | GB/s sent | % of copy "
+              f"({out['copy_gbps']:.0f} GB/s) |")
+        for r in out["rows"]:
+            print(f"| | {r['numel'] >> 20}M | {r['wire']} | {r['gbps']:.0f} | {100 * r['gbps'] / out['copy_gbps']:.0f}% |")
+        path = args.json or os.path.join(results, "exchange_nccl_self.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        return
     world_sizes = [int(w) for w in (args.world_sizes or ("2,4" if args.quick else "2,4,8")).split(",")]
     sizes_mb = [float(s) for s in (args.sizes_mb or ("1,25" if args.quick else "1,25,100")).split(",")]
     reps = args.reps or (5 if args.quick else 9)
@@ -148,8 +207,7 @@ def main():
         rows += run_world(ws, sizes_mb, reps)
         print(f"[bench/exchange] {ws} ranks done in {time.time() - t0:.0f} s", file=sys.stderr)
     print(table(rows))
-    path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                     f"exchange_cpu{'_quick' if args.quick else ''}.json")
+    path = args.json or os.path.join(results, f"exchange_cpu{'_quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dict(torch=torch.__version__, machine=platform.processor() or platform.machine(),

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
+import decent_comm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import decent_comm  # noqa: E402
 
 log = logging.getLogger("bench")
 

@@ -19,23 +19,25 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from decent_comm import ops  # noqa: E402
+from decent_comm import ops
+
+
+INNER = 1  # back-to-back calls per timing on CUDA (--inner): one call at 1M elements times its launch only
 
 
 def _time_once(device, fn):
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(INNER):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / INNER
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -43,10 +45,17 @@ def _time_once(device, fn):
 
 def time_all(device, fns, repeats, warmup=2):
     """Median seconds of each candidate, timed round-robin (one run of each per round) so that load
-    changes on a shared machine hit every candidate alike; the ratios are what to read."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    changes on a shared machine hit every candidate alike; the ratios are what to read. A competitor that
+    fails (CuPy's bf16 interop is experimental) is left out with a note, never the whole table."""
+    for name, fn in list(fns.items()):
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as exc:  # noqa: BLE001 - a competitor's failure is reported, not fatal
+            if name == "ours":
+                raise
+            print(f"  [{name} left out: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}]", flush=True)
+            del fns[name]
     samples = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -196,10 +205,16 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="two sizes, k = 1, 2 (about a minute on 2 CPU cores)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--sizes", default=None, help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
+    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
     args = ap.parse_args()
 
     sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
+    if args.sizes:
+        sizes = [int(float(v.rstrip("M")) * 2**20) if v.endswith("M") else int(v) for v in args.sizes.split(",")]
+    global INNER
+    INNER = args.inner or (10 if args.device == "cuda" else 1)
     ks = [1, 2] if args.quick else [1, 2, 4]
     repeats = args.repeats or (5 if args.device == "cpu" else 50)
     nb_dtypes = [torch.float32, torch.bfloat16]

@@ -23,14 +23,12 @@ import argparse
 import json
 import logging
 import os
-import sys
+
+from decent_comm.optim import MODES
+from demo import table  # bench/, this script's directory
+from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from demo import table  # noqa: E402
-from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm  # noqa: E402
-
-from decent_comm.optim import MODES  # noqa: E402  (lm_runs put the repository on sys.path)
 
 log = logging.getLogger("quality")
 

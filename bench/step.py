@@ -19,14 +19,11 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 CANDIDATES = ["ddp", "ours-awc", "ours-atc", "python-dec", "local"]
 

@@ -1,61 +1,20 @@
 """Train a small CNN (or MLP) on scikit-learn's bundled 8x8 digits with decentralized data parallelism.
 
-Data: ``sklearn.datasets.load_digits`` (1797 images, 10 classes; the data files ship inside the
-scikit-learn wheel, nothing is downloaded; every 5th image is held out). Each rank samples its own random
-mini-batches. Accuracy and loss are those of the global average of the replicas.
-
     torchrun --standalone --nproc_per_node 4 examples/train_classifier.py --optimizer dadamw
-    torchrun --standalone --nproc_per_node 4 examples/train_classifier.py --optimizer allreduce
     torchrun --standalone --nproc_per_node 4 examples/train_classifier.py --optimizer dsgd --topology ring
 
-Same optimizer, topology, schedule, logging and checkpoint flags as train_lm.py (see --help).
+The model and data are in decent_train/workloads/digits.py, the optimizer set-up and the training loop in
+decent_train/strategy.py and decent_train/loop.py; `--help` lists every flag.
 """
 
-import argparse
 import os
 import sys
 
-import torch.nn as nn
+# From a source checkout (decent_comm built in place by `make build`): the repository root holds decent_comm and
+# the decent_train harness. First on the path, so the checkout is what runs even where another copy is installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import data  # noqa: E402
-
-LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.05}
-
-
-def make_model(kind: str, width: int, num_classes: int) -> nn.Module:
-    if kind == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(64, 4 * width), nn.ReLU(), nn.Linear(4 * width, 4 * width),
-                             nn.ReLU(), nn.Linear(4 * width, num_classes))
-    # 8x8 -> conv -> 8x8 -> conv -> pool -> 4x4 -> linear
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(2 * width * 16, 4 * width), nn.ReLU(), nn.Linear(4 * width, num_classes))
-
-
-def build_task(args, env) -> common.Task:
-    ds = data.load_digits()
-    return common.Task(
-        model=make_model(args.model, args.width, ds.num_classes),
-        sample_batch=lambda g: data.random_rows(ds.x_train, ds.y_train, args.batch_size, g),
-        val_batches=data.shard_rows(ds.x_val, ds.y_val, 256, env.rank, env.world_size),
-        items_per_batch=args.batch_size, item_name="samples", report_accuracy=True, description=ds.describe())
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, steps=1000, batch_size=16, eval_every=100)
-    g = parser.add_argument_group("model")
-    g.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="network")
-    g.add_argument("--width", type=int, default=16, help="channels of the first conv layer (MLP: hidden / 4)")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    return common.run(parse_args(argv), build_task, LR_DEFAULTS)
-
+from decent_train.workloads import digits  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    digits.main()

@@ -311,7 +311,8 @@ def render(rows: list, grid_lines: list, elapsed: float) -> str:
              " closed form, towards `lower_bound_seconds` (the busiest link's load per step, or the compute time),"
              " which no schedule can beat. So the closed form is the in-phase (upper) estimate, the bound the"
              " fully pipelined one, and the simulator says where between them a configuration lands; the planner"
-             " ranks candidates by the simulated time. The largest gaps are communication-bound AER / base-k on 2"
+             " ranks candidates by the simulated time (by the closed form on clusters too large to simulate within"
+             " its budget, docs/planner.md). The largest gaps are communication-bound AER / base-k on 2"
              " nodes and ATC on shared NICs (up to ~30%); compute-bound and static AWC cases agree within a few"
              " percent.")
     L.append("")

@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from decent_comm import topology as T  # noqa: E402
 
-SIZES = (8, 16, 64)
+SIZES = (8, 16, 64)   # powers of two: one-peer-hypercube exists only there (and aer needs n / 4 nodes to be one)
 LOCAL_WORLD_SIZE = 4
 BUFFER_BYTES = 100 * 10 ** 6
 MB = 10 ** 6

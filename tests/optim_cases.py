@@ -7,6 +7,8 @@ import torch
 
 import decent_comm
 
+from optim_reference import Reference
+
 def make_model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
@@ -45,3 +47,30 @@ def doubly_stochastic(n, seed):
     for w in rng.dirichlet(np.ones(3)):
         W += w * np.eye(n)[rng.permutation(n)]
     return W
+
+
+def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0, comm_dtype=None,
+                          scheduler=None, probe=None, give_model=True, model_fn=None, **cadence):
+    """Trains rank `rank`'s replica and the float64 dense simulation of all ranks side by side; returns the
+    largest deviation of this rank's parameters from the simulation. ``give_model``: pass ``model=`` in ATC mode
+    (else the optimizer finds the modules itself)."""
+    ctor, kind, hp = OPTIMIZERS[opt_name]
+    make_model_ = model_fn or make_model
+    models = [make_model_(seed) for seed in range(n)]  # distinct replicas, known to every rank
+    model = models[rank]
+    ref = Reference(make_model_(0), [flat_params(m) for m in models], topo, mode, kind, hp, consensus=consensus,
+                    wire_dtype=comm_dtype, **cadence)
+    opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" and give_model else None,
+               broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30, **cadence)
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        ref.step([batch(r, t) for r in range(n)])
+    opt.synchronize()
+    err = (flat_params(model).double() - ref.X[rank]).abs().max().item()
+    if probe is not None:
+        probe(opt)
+    opt.shutdown()
+    return err

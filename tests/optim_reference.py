@@ -2,6 +2,9 @@
 
 X^{t+1} = W'(t) X^t - lr D(G)   (awc)      X^{t+1} = W'(t) (X^t - lr D(G))   (atc)
 
+(with gossip_every k and warmup_steps w: W' = I and G the ranks' mean gradient for t < w; W' = I when
+(t - w) % k != 0; otherwise the topology's W((t - w) / k))
+
 with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' parameters as rows of X, the
 gradients from a float64 copy of the model, and the update directions from the formulas in
 mix_reference.py (not from the kernels).
@@ -14,7 +17,8 @@ from mix_reference import accum_adam64, adam64, sgd64
 
 
 class Reference:
-    def __init__(self, model, init_flats, topology, mode, kind, hp, consensus=1.0, wire_dtype=None):
+    def __init__(self, model, init_flats, topology, mode, kind, hp, consensus=1.0, wire_dtype=None, gossip_every=1,
+                 warmup_steps=0):
         self.model = model.double()
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -23,6 +27,7 @@ class Reference:
         self.topology, self.mode, self.kind, self.hp = topology, mode, kind, hp
         self.consensus = consensus
         self.wire_dtype = wire_dtype
+        self.gossip_every, self.warmup_steps = gossip_every, warmup_steps
         self.state = [dict(m=torch.zeros_like(x), v=torch.zeros_like(x), a=torch.zeros_like(x),
                            b=torch.zeros_like(x)) for x in self.X]
         self.t = 0
@@ -44,7 +49,11 @@ class Reference:
         return g
 
     def _W(self):
-        W = torch.from_numpy(self.topology.matrix(self.t)).double()
+        """W'(t); the identity on warm-up and local steps; gossip round r uses the topology's W(r)."""
+        since = self.t - self.warmup_steps
+        if since < 0 or since % self.gossip_every:
+            return torch.eye(self.n, dtype=torch.float64)
+        W = torch.from_numpy(self.topology.matrix(since // self.gossip_every)).double()
         a = self.consensus(self.t) if callable(self.consensus) else self.consensus
         return (1 - a) * torch.eye(self.n, dtype=torch.float64) + a * W
 
@@ -78,6 +87,8 @@ class Reference:
 
     def step(self, batches):
         G = [self.grad(self.X[i], batches[i]) for i in range(self.n)]
+        if self.t < self.warmup_steps:  # warm-up: every rank steps with the mean gradient (DDP)
+            G = [sum(G) / self.n] * self.n
         W = self._W()
         if self.mode == "awc":
             mixed = self._mix(W, self.X)

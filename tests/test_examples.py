@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
+from decent_train.flags import consensus_value, optimizer_family, optimizer_name, resolve_defaults
+from decent_train.lr_schedule import make_lr_scheduler
+from decent_train.workloads import lm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import common  # noqa: E402
 
 # Tiny model and data: the tests check plumbing, not learning.
 LM_TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -35,23 +37,21 @@ def read_log(out_dir):
 
 
 def test_flag_parsing():
-    assert common.optimizer_name("DAdamW") == "dadamw"
-    assert common.optimizer_name("decentralized-adamw") == "decentralized-adamw"
-    assert common.optimizer_name("allreduce-sgd") == "allreduce-sgd"
+    assert optimizer_name("DAdamW") == "dadamw"
+    assert optimizer_name("decentralized-adamw") == "decentralized-adamw"
+    assert optimizer_name("allreduce-sgd") == "allreduce-sgd"
     for bad in ("adamw", "decentralized-nope", "allreduce-"):
         with pytest.raises(argparse.ArgumentTypeError):
-            common.optimizer_name(bad)
-    assert common.consensus_value("adaptive") == "adaptive"
-    assert common.consensus_value("0.5") == 0.5
+            optimizer_name(bad)
+    assert consensus_value("adaptive") == "adaptive"
+    assert consensus_value("0.5") == 0.5
     with pytest.raises(argparse.ArgumentTypeError):
-        common.consensus_value("1.5")
-    assert common.optimizer_family("dsgd") == "sgd" and common.optimizer_family("allreduce") == "adam"
+        consensus_value("1.5")
+    assert optimizer_family("dsgd") == "sgd" and optimizer_family("allreduce") == "adam"
 
 
 def _defaults(argv, world_size):
-    import train_lm  # examples/ is on sys.path
-
-    return common.resolve_defaults(train_lm.parse_args(argv), train_lm.LR_DEFAULTS, world_size)
+    return resolve_defaults(lm.parse_args(argv), lm.LR_DEFAULTS, world_size)
 
 
 def test_decentralized_adam_defaults_follow_the_lr_rule():
@@ -83,7 +83,7 @@ def test_lr_schedules():
     for kind, first, last in (("constant", 1.0, 1.0), ("cosine", 1.0, 0.1), ("warmup-cosine", 0.25, 0.1)):
         args = argparse.Namespace(steps=20, warmup=4 if kind == "warmup-cosine" else 0, min_lr_ratio=0.1, lr_schedule=kind)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        sched = common.make_lr_scheduler(opt, args)
+        sched = make_lr_scheduler(opt, args)
         lrs = []
         for _ in range(20):
             lrs.append(opt.param_groups[0]["lr"])

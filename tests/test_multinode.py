@@ -1,5 +1,5 @@
 """A real multi-node launch: two torchrun "nodes" (node_rank 0 and 1, 2 ranks each), each in its own network
-namespace with its own address, joined through a switch by shaped veth links (bench/netns_cluster.py), train
+namespace with its own address, joined through a switch by shaped veth links (decent_train.cluster), train
 a few steps of the byte-level GPT with DAdamW on `aer`, whose schedule depends on LOCAL_WORLD_SIZE (set by
 torchrun: 2). Every rank's final replica must equal the same rank's replica from a single-node job of 4
 ranks that emulates the 2 nodes with --local-world-size 2: same ranks, same data, same gossip schedule, so
@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
+from decent_train.cluster import EmulatedCluster
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from netns_cluster import EmulatedCluster  # noqa: E402
 
 STEPS = 6
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -35,7 +35,7 @@ def flags(out, ck):
 def replicas(ck):
     step = os.path.join(ck, f"step_{STEPS:07d}")
     assert sorted(os.listdir(step)) == [f"rank{r}.pt" for r in range(4)]
-    return [torch.load(os.path.join(step, f"rank{r}.pt"), map_location="cpu", weights_only=False)["model"]
+    return [torch.load(os.path.join(step, f"rank{r}.pt"), map_location="cpu", weights_only=True)["model"]
             for r in range(4)]
 
 

@@ -12,10 +12,8 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model
-from optim_reference import Reference
+from optim_cases import OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model, run_against_reference
 
-STEPS = 20
 
 
 def topologies(n):
@@ -26,29 +24,6 @@ def topologies(n):
         out["aer-pair"] = T.make("aer", n, local_world_size=2, inter="pair")
     out["custom"] = T.from_matrix([doubly_stochastic(n, 1), doubly_stochastic(n, 2)])
     return out
-
-
-def run_against_reference(rank, n, opt_name, topo, mode, steps=STEPS, consensus=1.0, comm_dtype=None,
-                          scheduler=None, probe=None):
-    ctor, kind, hp = OPTIMIZERS[opt_name]
-    models = [make_model(seed) for seed in range(n)]  # distinct replicas, known to every rank
-    model = models[rank]
-    ref = Reference(make_model(0), [flat_params(m) for m in models], topo, mode, kind, hp, consensus=consensus,
-                    wire_dtype=comm_dtype)
-    opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" else None,
-               broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30)
-    for t in range(steps):
-        x, y = batch(rank, t)
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        ref.step([batch(r, t) for r in range(n)])
-    opt.synchronize()
-    err = (flat_params(model).double() - ref.X[rank]).abs().max().item()
-    if probe is not None:
-        probe(opt)
-    opt.shutdown()
-    return err
 
 
 def _core_all_combinations(rank, n):

@@ -1,14 +1,12 @@
-"""Runtime model, simulator, planner and the ``plan`` CLI (pure Python; fast)."""
-import contextlib
-import io
-import json
+"""Runtime model, simulator and planner on small clusters (pure Python; fast).
+
+Large clusters: test_runtime_model_scale.py; the ``plan`` command line: test_plan_cli.py."""
 import math
 
 import numpy as np
 import pytest
 
 from decent_comm import topology as T
-from decent_comm.cli import main
 from decent_comm.runtime_model import (ClusterConfig, ComputeTime, UnitError, Workload, allreduce_cost,
                                        expected_max_normal, expected_max_sample, parse_bandwidth, parse_count,
                                        parse_duration, parse_size, plan, predict, simulate, simulate_allreduce)
@@ -20,7 +18,7 @@ from decent_comm.runtime_model.simulator import _processor_sharing
 
 GBIT = 1e9 / 8
 STATIC = ["ring", "exp", "torus", "complete"]
-TOPOS = ["one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete"]
+TOPOS = ["one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete"]
 
 
 def cluster(nodes=4, L=4, inter=25 * GBIT, intra=600 * GBIT, lat_e=10e-6, lat_a=3e-6, **kw):
@@ -194,7 +192,7 @@ def test_link_loads_agree_with_comm_cost(name):
     for links, sc in zip(schedule_links(topo), cost.steps):
         assert links.rank_intra_send.max(initial=0) == sc.max_intra_send_bytes
         assert links.rank_intra_recv.max(initial=0) == sc.max_intra_recv_bytes
-        assert int(links.inter.sum()) == sc.total_inter_bytes
+        assert links.inter_messages == sc.total_inter_bytes
         # a node's egress is at least its busiest rank's and at most L times it
         assert sc.max_inter_send_bytes <= links.node_egress.max(initial=0) <= 4 * sc.max_inter_send_bytes
 
@@ -206,6 +204,22 @@ def test_aer_loads_each_nic_every_other_step():
     inter = 4 * 260e6 / c.inter_bandwidth + c.inter_latency
     assert np.allclose(D.max(axis=1), inter)        # some node uses its NIC at every step...
     assert np.allclose(D.mean(axis=0).max(), (inter + 3 * 260e6 / c.intra_bandwidth + c.intra_latency) / 2)
+
+
+def test_hypercube_puts_one_buffer_per_step_on_the_node_link():
+    # 2 nodes x 2 ranks (the emulated cluster's layout): one-peer-exp's shift-2 step sends both ranks'
+    # buffers across, while the hypercube's first step stays inside the nodes
+    for name, per_step in (("one-peer-hypercube", [0, 2]), ("one-peer-exp", [1, 2])):
+        links = schedule_links(make_topology(name, 4, 2))
+        assert [x.node_egress.tolist() for x in links] == [[k, k] for k in per_step], name
+        assert [x.node_ingress.tolist() for x in links] == [[k, k] for k in per_step], name
+    c, w = cluster(nodes=2, L=2, inter=50e6 / 8, lat_e=0.0, lat_a=0.0), work(mu=0.12)
+    link = w.bytes_per_rank / c.inter_bandwidth     # one buffer over the node link: 41.6 s
+    hyper, ope = predict(c, w, "one-peer-hypercube"), predict(c, w, "one-peer-exp")
+    assert hyper.step_seconds == pytest.approx((max(0.12, w.bytes_per_rank / c.intra_bandwidth) + 2 * link) / 2)
+    assert ope.step_seconds == pytest.approx((link + 2 * link) / 2)   # ranks 0 and 2 wait for the link at both
+    sim = simulate(c, w, make_topology("one-peer-hypercube", 4, 2), steps=40, warmup=4).step_seconds
+    assert sim == pytest.approx(hyper.step_seconds, rel=0.01)
 
 
 # -- simulator ------------------------------------------------------------------------------
@@ -367,80 +381,3 @@ def test_plan_skips_aer_on_non_power_of_two_nodes():
     p = plan(cluster(nodes=3), work(), ["aer", "ring"], run_simulation=False)
     assert [n for n, _ in p.skipped] == ["aer"]
     assert "power of two" in p.skipped[0][1]
-
-
-# -- CLI ----------------------------------------------------------------------------------
-EXAMPLE = ["plan", "--nodes", "4", "--gpus-per-node", "4", "--params", "65M", "--inter-bw", "25Gbit",
-           "--intra-bw", "600Gbit", "--compute", "120ms", "--compute-std", "10ms"]
-
-
-def run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
-def test_cli_example_json():
-    code, out, _ = run_cli(EXAMPLE + ["--json", "--steps", "80", "--warmup", "10"])
-    assert code == 0
-    d = json.loads(out)
-    names = d["candidates"]
-    assert names[0] == "allreduce" and set(names[1:]) == set(TOPOS)
-    for name in names:
-        for key in ("step_seconds", "speedup", "simulated_step_seconds", "comm_seconds", "gamma", "omega"):
-            assert key in d[name], (name, key)
-        assert d[name]["step_seconds"] > 0
-    assert d["allreduce"]["speedup"] == 1.0
-    assert d["recommended"] in names
-    assert d["inputs"]["bytes_per_rank"] == 260e6
-
-
-def test_cli_table():
-    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "3", "--topologies", "ring,aer"])
-    assert code == 0
-    assert "recommended:" in out and "skipped aer" in out and "ring" in out
-
-
-@pytest.mark.parametrize("extra,msg", [
-    (["--inter-bw", "25Gbiz"], "unknown unit"),
-    (["--compute=-5ms"], ">= 0"),
-    (["--nodes", "0"], "integer >= 1"),
-    (["--params", "lots"], "--params"),
-    (["--wire-dtype", "fp7"], "--wire-dtype"),
-    (["--topologies", "moebius"], None),
-])
-def test_cli_bad_input_exits_2(extra, msg):
-    code, out, err = run_cli(EXAMPLE + extra + ["--no-sim"])
-    if msg is None:   # unknown topology: skipped with a note, not an error
-        assert code == 0 and "skipped moebius" in out
-        return
-    assert code == 2
-    assert "error:" in err and msg in err
-    assert "Traceback" not in err
-
-
-def test_cli_missing_required_inputs():
-    code, _, err = run_cli(["plan", "--nodes", "2", "--params", "1M", "--compute", "10ms"])
-    assert code == 2 and "--inter-bw is required" in err
-    code, _, err = run_cli(["plan", "--params", "1M"])
-    assert code == 2 and "--compute is required" in err
-
-
-def tiny_model():
-    """``--model test_runtime_model:tiny_model`` factory: (model, example batch)."""
-    import torch
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), torch.randn(8, 16)
-
-
-def test_cli_measure_is_honest_about_the_proxy():
-    code, out, _ = run_cli(["plan", "--nodes", "2", "--gpus-per-node", "2", "--measure", "--model",
-                            "test_runtime_model:tiny_model", "--measure-iters", "3", "--device", "cpu", "--no-sim",
-                            "--topologies", "ring", "--json"])
-    assert code == 0
-    d = json.loads(out)
-    assert d["inputs"]["params"] == 16 * 32 + 32 + 32 * 4 + 4
-    assert d["inputs"]["compute_sample_size"] == 3
-    assert any("LOCAL PROXY" in n for n in d["notes"]) and any("measured compute" in n for n in d["notes"])
-    code, _, err = run_cli(["plan", "--measure", "--model", "no_such_module:f", "--no-sim"])
-    assert code == 2 and "cannot import" in err

@@ -9,15 +9,12 @@ from hypothesis import strategies as st
 
 from decent_comm import topology as T
 
-TOL = 1e-9
+from topology_cases import check_schedule, divisors
+
 SETTINGS = settings(max_examples=120, deadline=None)
 
 
 # ----------------------------------------------------------------------------- helpers
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def is_pow2(n):
     return n & (n - 1) == 0
 
@@ -37,36 +34,6 @@ def product(mats):
     return P
 
 
-def check_schedule(topo):
-    """Row/column stochastic, non-negative, peers == matrix, send/recv symmetric, periodic."""
-    n, period = topo.world_size, topo.period
-    for t in range(period):
-        W = topo.matrix(t)
-        assert W.shape == (n, n) and W.dtype == np.float64
-        assert (W >= 0).all()
-        np.testing.assert_allclose(W.sum(axis=1), 1.0, atol=TOL)
-        np.testing.assert_allclose(W.sum(axis=0), 1.0, atol=TOL)
-        np.testing.assert_array_equal(W, topo.matrix(t + period))
-        np.testing.assert_array_equal(W, topo.matrix(t + 3 * period))
-        recv_sets, send_sets = [], []
-        for i in range(n):
-            p = topo.peers(i, t)
-            assert p.self_weight == pytest.approx(W[i, i], abs=1e-12)
-            ranks = [j for j, _ in p.recv]
-            assert ranks == sorted(set(ranks)) and i not in ranks
-            assert ranks == [j for j in range(n) if j != i and W[i, j] > 0]
-            for j, w in p.recv:
-                assert w == pytest.approx(W[i, j], abs=1e-12)
-            assert p.send == [j for j in range(n) if j != i and W[j, i] > 0]
-            recv_sets.append(set(ranks))
-            send_sets.append(set(p.send))
-            q = topo.peers(i, t + period)
-            assert (q.self_weight, q.recv, q.send) == (p.self_weight, p.recv, p.send)
-        for i in range(n):
-            for j in range(n):
-                assert (j in recv_sets[i]) == (i in send_sets[j])
-
-
 @st.composite
 def builtins(draw):
     name = draw(st.sampled_from(T.NAMES))
@@ -74,6 +41,9 @@ def builtins(draw):
         L = draw(st.integers(1, 8))
         n = L * 2 ** draw(st.integers(0, 3))
         return T.make(name, n, local_world_size=L)
+    if name == "one-peer-hypercube":   # defined on powers of two only
+        n = 2 ** draw(st.integers(0, 6))
+        return T.make(name, n, local_world_size=draw(st.sampled_from(divisors(n))))
     n = draw(st.integers(1, 64))
     L = draw(st.sampled_from(divisors(n)))
     options = {"k": draw(st.integers(1, 3))} if name == "base-k" else {}
@@ -82,7 +52,7 @@ def builtins(draw):
 
 def promised_exact(topo):
     n = topo.world_size
-    return (n == 1 or topo.name in ("complete", "base-k", "aer", "aer-pair")
+    return (n == 1 or topo.name in ("complete", "base-k", "aer", "aer-pair", "one-peer-hypercube")
             or (topo.name == "one-peer-exp" and is_pow2(n)))
 
 
@@ -106,7 +76,7 @@ def test_builtin_mixing(topo):
     if promised_exact(topo):
         assert T.finite_time_exact(topo)
         assert gap.gap == pytest.approx(1.0)
-    if topo.name in ("one-peer-exp", "one-peer-ring"):
+    if topo.name in ("one-peer-exp", "one-peer-hypercube", "one-peer-ring"):
         assert all(topo.peers(i, t).degree <= 1 for t in range(topo.period) for i in range(n))
     if topo.name == "base-k":
         k = topo.k
@@ -169,21 +139,9 @@ def test_aliases_and_names():
     assert T.make("one_peer_exp", 8).name == "one-peer-exp"
     assert T.make("One-Peer_Ring", 8).name == "one-peer-ring"
     assert T.make("BASE_K", 8, k=2).name == "base-k"
-    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "aer", "aer-pair",
-                            "torus", "base-k", "local"}
+    assert set(T.NAMES) == {"complete", "ring", "one-peer-ring", "exp", "one-peer-exp", "one-peer-hypercube", "aer",
+                            "aer-pair", "torus", "base-k", "local"}
     assert T.make("aer_pair", 8, local_world_size=2).inter == "pair"
-
-
-def test_local_world_size_from_env(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert T.make("ring", 16).local_world_size == 4
-    assert T.make("aer", 16).num_nodes == 4
-    assert T.make("ring", 16, local_world_size=2).local_world_size == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        T.make("ring", 16)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert T.make("ring", 16).local_world_size == 16
 
 
 # ----------------------------------------------------------------------------- independent references
@@ -401,253 +359,3 @@ def test_comm_cost_aer():
         assert s.total_inter_bytes == 800 and s.total_intra_bytes == 2400
     assert c.mean_inter_bytes_per_rank == 50 and c.mean_intra_bytes_per_rank == 150
     assert c.max_inter_send_bytes == 100
-
-
-# ----------------------------------------------------------------------------- custom graphs
-def test_from_matrix_static():
-    W = T.make("ring", 6).matrix(0)
-    topo = T.from_matrix(W)
-    assert topo.period == 1 and topo.world_size == 6 and topo.name == "custom"
-    check_schedule(topo)
-    np.testing.assert_array_equal(topo.matrix(4), W)
-    assert T.from_matrix(W.tolist()).period == 1
-
-
-def test_from_matrix_list_cycles():
-    mats = [T.make("one-peer-exp", 8).matrix(t) for t in range(3)]
-    topo = T.from_matrix(mats, local_world_size=4)
-    assert topo.period == 3 and topo.local_world_size == 4
-    check_schedule(topo)
-    assert T.finite_time_exact(topo)
-    np.testing.assert_array_equal(topo.matrix(4), mats[1])
-    assert T.from_matrix(np.stack(mats)).period == 3
-
-
-def test_from_networkx():
-    nx = pytest.importorskip("networkx")
-    topo = T.from_networkx(nx.cycle_graph(7))
-    np.testing.assert_allclose(topo.matrix(0), T.make("ring", 7).matrix(0))
-    star = T.from_networkx(nx.star_graph(4))   # center 0 with degree 4, leaves degree 1
-    W = star.matrix(0)
-    assert W[0, 1] == pytest.approx(1 / 5) and W[1, 1] == pytest.approx(4 / 5) and W[0, 0] == pytest.approx(1 / 5)
-    check_schedule(star)
-    assert T.spectral_gap(star).gap > 0
-    with pytest.raises(ValueError, match="0..n-1"):
-        T.from_networkx(nx.relabel_nodes(nx.path_graph(3), {0: "a"}))
-    with pytest.raises(ValueError, match="undirected"):
-        T.from_networkx(nx.DiGraph([(0, 1)]))
-
-
-class PairSwap(T.Topology):
-    """Only peers, world_size and period as class attributes; no __init__ call."""
-    world_size = 4
-    period = 2
-
-    def peers(self, rank, step):
-        j = rank ^ (1 << (step % 2))
-        return T.Peers(0.5, [(j, 0.5)], [j])
-
-
-class MatrixOnly(T.Topology):
-    def __init__(self):
-        super().__init__(4, period=2, name="matrix-only")
-        self.calls = 0
-
-    def matrix(self, step):
-        self.calls += 1
-        return np.kron(np.eye(2), np.full((2, 2), 0.5)) if step % 2 == 0 else \
-            np.kron(np.full((2, 2), 0.5), np.eye(2))
-
-
-def test_subclass_with_only_peers():
-    topo = PairSwap()
-    topo.validate()
-    check_schedule(topo)
-    assert topo.local_world_size == 4 and topo.name == "PairSwap"
-    assert T.finite_time_exact(topo)
-    assert len(topo.fingerprint()) == 16
-
-
-def test_subclass_with_only_matrix_caches_peers():
-    topo = MatrixOnly().validate()
-    check_schedule(topo)
-    topo.calls = 0
-    for step in range(20):
-        for r in range(4):
-            topo.peers(r, step)
-    assert topo.calls == 0   # cached per step of the period (filled by check_schedule)
-    fresh = MatrixOnly()
-    for step in range(20):
-        for r in range(4):
-            fresh.peers(r, step)
-    assert fresh.calls == 2
-    assert fresh.peers(0, 1).recv == [(2, 0.5)] and fresh.peers(0, 1).send == [2]
-    assert T.finite_time_exact(fresh)
-
-
-def test_topologies_pickle():
-    import pickle
-    for topo in (T.make("base-k", 12, k=2), T.make("aer", 16, local_world_size=4), MatrixOnly(), PairSwap(),
-                 T.from_matrix(np.full((3, 3), 1 / 3)), T.make("exp", 9).mixed(0.5)):
-        assert pickle.loads(pickle.dumps(topo)).fingerprint() == topo.fingerprint()
-
-
-def test_subclass_with_neither_fails():
-    class Nothing(T.Topology):
-        pass
-    with pytest.raises(NotImplementedError):
-        Nothing(4).peers(0, 0)
-    with pytest.raises(NotImplementedError):
-        Nothing(4).matrix(0)
-
-
-# ----------------------------------------------------------------------------- consensus factor
-@pytest.mark.parametrize("a", [0.0, 0.3, 1.0])
-def test_with_consensus(a):
-    base = T.make("one-peer-exp", 8)
-    topo = T.with_consensus(base, a)
-    check_schedule(topo)
-    assert topo.period == base.period
-    for t in range(3):
-        np.testing.assert_allclose(topo.matrix(t), (1 - a) * np.eye(8) + a * base.matrix(t))
-    if a == 0:
-        assert topo.peers(3, 1).recv == [] and topo.peers(3, 1).send == []
-    np.testing.assert_allclose(base.mixed(a).matrix(1), topo.matrix(1))
-
-
-def test_with_consensus_bad_factor():
-    for a in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="consensus"):
-            T.with_consensus(T.make("ring", 4), a)
-
-
-# ----------------------------------------------------------------------------- fingerprint
-def test_fingerprint():
-    fp = T.make("ring", 8).fingerprint()
-    assert len(fp) == 16 and int(fp, 16) >= 0
-    assert fp == T.make("ring", 8).fingerprint()
-    others = [T.make("ring", 9), T.make("exp", 8), T.make("ring", 8, local_world_size=4),
-              T.make("base-k", 8, k=1), T.make("base-k", 8, k=2), T.make("complete", 8),
-              T.from_matrix(T.make("ring", 8).matrix(0)), T.with_consensus(T.make("ring", 8), 0.5)]
-    fps = [o.fingerprint() for o in others]
-    assert fp not in fps and len(set(fps)) == len(fps)
-    W = T.make("torus", 9).matrix(0)
-    assert T.from_matrix(W).fingerprint() == T.from_matrix(W.copy()).fingerprint()
-    W2 = W.copy()
-    W2[[0, 1]] = W2[[1, 0]]
-    W2[:, [0, 1]] = W2[:, [1, 0]]   # relabelled graph: a different schedule
-    assert T.from_matrix(W2).fingerprint() != T.from_matrix(W).fingerprint()
-    assert T.make("aer", 16, local_world_size=4).fingerprint() == T.make("aer", 16, local_world_size=4).fingerprint()
-
-
-# ----------------------------------------------------------------------------- errors
-def test_from_matrix_errors():
-    with pytest.raises(ValueError, match="square"):
-        T.from_matrix(np.ones((2, 3)) / 3)
-    with pytest.raises(ValueError, match="step 0, row 0.*negative"):
-        T.from_matrix([[1.5, -0.5], [-0.5, 1.5]])
-    with pytest.raises(ValueError, match="step 0, row 1.*row-stochastic"):
-        T.from_matrix([[0.5, 0.5], [0.5, 0.25]])
-    with pytest.raises(ValueError, match="not finite"):
-        T.from_matrix([[np.nan, 0.5], [0.5, 0.5]])
-    biased = [[1.0, 0.0], [0.5, 0.5]]
-    with pytest.raises(ValueError, match="step 0, column 0.*column-stochastic.*allow_biased"):
-        T.from_matrix(biased)
-    topo = T.from_matrix(biased, allow_biased=True)
-    assert topo.allow_biased and topo.peers(1, 0).recv == [(0, 0.5)] and topo.peers(0, 0).send == [1]
-    topo.validate()
-    good = np.full((3, 3), 1 / 3)
-    with pytest.raises(ValueError, match="step 1.*row 2"):
-        T.from_matrix([good, [[1, 0, 0], [0, 1, 0], [0, 0, 0.5]]])
-    with pytest.raises(ValueError, match="step 1.*3 x 3"):
-        T.from_matrix([good, np.eye(2)])
-    with pytest.raises(ValueError, match="step 1.*square"):
-        T.from_matrix([good, np.ones((3, 2))])
-    with pytest.raises(ValueError):
-        T.from_matrix([])
-
-
-def test_make_errors():
-    with pytest.raises(ValueError, match="valid names: complete, ring, one-peer-ring, exp, one-peer-exp"):
-        T.make("hypercube", 8)
-    with pytest.raises(ValueError, match=r"3 nodes.*valid local_world_size values are \[3, 6, 12\]"):
-        T.make("aer", 12, local_world_size=4)
-    with pytest.raises(ValueError, match="divide world_size=10"):
-        T.make("ring", 10, local_world_size=4)
-    with pytest.raises(ValueError, match="valid values: \\[1, 2, 5, 10\\]"):
-        T.make("aer", 10, local_world_size=3)
-    for bad in (0, -1):
-        with pytest.raises(ValueError, match="world_size must be >= 1"):
-            T.make("ring", bad)
-    with pytest.raises(ValueError, match="integer"):
-        T.make("ring", 2.5)
-    with pytest.raises(ValueError, match="option"):
-        T.make("ring", 8, k=2)
-    with pytest.raises(ValueError, match="k must be"):
-        T.make("base-k", 8, k=0)
-    with pytest.raises(ValueError, match="out of range"):
-        T.make("ring", 4).peers(4, 0)
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
-        T.Topology(0)
-
-
-def test_aer_error_lists_what_works():
-    with pytest.raises(ValueError) as e:
-        T.make("aer", 12, local_world_size=4)
-    msg = str(e.value)
-    assert "power of two" in msg and "3 nodes" in msg and "[3, 6, 12]" in msg
-
-
-class Mismatched(T.Topology):
-    """Rank 0 receives from rank 1 at odd steps, but rank 1 does not list rank 0 in send."""
-
-    def __init__(self):
-        super().__init__(3, period=2, allow_biased=True)   # isolate the send/recv check
-
-    def peers(self, rank, step):
-        if step % 2 == 1 and rank == 0:
-            return T.Peers(0.5, [(1, 0.5)], [])
-        return T.Peers(1.0, [], [])
-
-
-class MismatchedSend(T.Topology):
-    """Rank 0 lists rank 1 in send, but rank 1 does not receive from it."""
-
-    def __init__(self):
-        super().__init__(2)
-
-    def peers(self, rank, step):
-        return T.Peers(1.0, [], [1] if rank == 0 else [])
-
-
-def test_validate_mismatched_send_recv():
-    with pytest.raises(ValueError, match="step 1: rank 0 receives from rank 1 but rank 1 does not list rank 0"):
-        Mismatched().validate()
-    with pytest.raises(ValueError, match="step 0: rank 0 sends to rank 1 but rank 1 does not receive"):
-        MismatchedSend().validate()
-
-
-def _biased(topo):
-    topo.allow_biased = True
-    return topo
-
-
-def test_validate_bad_peers():
-    class SelfLoop(T.Topology):
-        world_size = 2
-
-        def peers(self, rank, step):
-            return T.Peers(0.5, [(rank, 0.5)], [rank])
-
-    with pytest.raises(ValueError, match="exclude rank"):
-        SelfLoop().validate()
-
-    class NotColumn(T.Topology):
-        world_size = 2
-
-        def peers(self, rank, step):
-            return T.Peers(1.0, [], [1]) if rank == 0 else T.Peers(0.5, [(0, 0.5)], [])
-
-    with pytest.raises(ValueError, match="column 0.*column-stochastic"):
-        NotColumn().validate()
-    _biased(NotColumn()).validate()

@@ -78,12 +78,13 @@ void register_comm_bindings(py::module& m) {
 #endif
 
   py::class_<Exchanger>(m, "_Exchanger", "The exchange scheduler; use decent_comm.exchange.Exchanger")
-      .def(py::init<std::shared_ptr<Transport>, int64_t, std::optional<at::ScalarType>>(), py::arg("transport"),
-           py::arg("timeout_ms"), py::arg("wire_dtype"))
+      .def(py::init<std::shared_ptr<Transport>, int64_t, std::optional<at::ScalarType>, bool>(), py::arg("transport"),
+           py::arg("timeout_ms"), py::arg("wire_dtype"), py::arg("allow_self_exchange") = false)
       .def("exchange", &Exchanger::exchange, py::arg("bucket"), py::arg("send"), py::arg("recvs"),
            py::arg("send_to"), py::arg("recv_from"), Release(),
            "Enqueue bucket `bucket`: send `send` to every rank of send_to, receive recvs[i] from recv_from[i]. "
-           "Returns at once; do not modify send nor read recvs before wait(bucket).")
+           "Returns at once (after a size/dtype handshake with the peers on an edge's first use); do not modify "
+           "send nor read recvs before wait(bucket).")
       .def("wait", &Exchanger::wait, py::arg("bucket"), Release(),
            "CPU: block until the bucket's transfers completed. CUDA: make the current stream wait for them.")
       .def("wait_all", &Exchanger::wait_all, Release(), "wait() on every bucket in flight, in issue order")
@@ -98,6 +99,8 @@ void register_comm_bindings(py::module& m) {
       .def_property_readonly("timeout", &Exchanger::timeout_seconds, "timeout in seconds")
       .def_property_readonly("wire_dtype", &Exchanger::wire_dtype)
       .def_property_readonly("bytes_sent", &Exchanger::bytes_sent, "bytes put on the wire so far (all peers)")
+      .def_property_readonly("handshakes", &Exchanger::handshakes,
+                             "size/dtype handshakes run so far (an exchange with a not yet agreed edge runs one)")
       .def_property_readonly("in_flight", &Exchanger::in_flight, "bucket ids in flight, in issue order")
       .def_property_readonly("closed", &Exchanger::closed);
 }

@@ -28,14 +28,17 @@ Where where(const char* call, int64_t bucket) { return Where{call, bucket}; }
 }  // namespace
 
 Exchanger::Exchanger(std::shared_ptr<Transport> transport, int64_t timeout_ms,
-                     std::optional<at::ScalarType> wire_dtype)
-    : transport_(std::move(transport)), wire_dtype_(wire_dtype) {
+                     std::optional<at::ScalarType> wire_dtype, bool allow_self_exchange)
+    : transport_(std::move(transport)), wire_dtype_(wire_dtype), allow_self_exchange_(allow_self_exchange) {
   TORCH_CHECK_VALUE(transport_ != nullptr, "decent_comm Exchanger: transport is None");
   timeout_ = timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : transport_->default_timeout();
   if (wire_dtype_.has_value()) {
     TORCH_CHECK_VALUE(at::isFloatingType(*wire_dtype_), "decent_comm Exchanger: wire_dtype must be a floating "
                       "point dtype (e.g. torch.bfloat16), got ", *wire_dtype_);
   }
+  TORCH_CHECK_VALUE(!allow_self_exchange_ || transport_->supports_self_exchange(), "decent_comm Exchanger: the ",
+                    transport_->name(), " transport cannot exchange with its own rank (self-exchange needs NCCL)");
+  transport_->open();  // last: a construction refused above claims nothing on this rank
 }
 
 Exchanger::~Exchanger() {
@@ -80,7 +83,7 @@ void Exchanger::check_peer_list(int64_t bucket, const char* what, const std::vec
     const int64_t r = ranks[i];
     TORCH_CHECK_VALUE(r >= 0 && r < world, where("exchange", bucket), what, "[", i, "] = ", r,
                       " is not a rank of the process group (world size ", world, ")");
-    TORCH_CHECK_VALUE(r != self, where("exchange", bucket), what, "[", i, "] = ", r,
+    TORCH_CHECK_VALUE(r != self || allow_self_exchange_, where("exchange", bucket), what, "[", i, "] = ", r,
                       " is this rank itself; a rank does not exchange with itself");
     // Peer lists are short (a topology's degree), so the quadratic scan is cheaper than a set.
     for (size_t j = 0; j < i; ++j) {
@@ -90,9 +93,10 @@ void Exchanger::check_peer_list(int64_t bucket, const char* what, const std::vec
   }
 }
 
-void Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
-                                    const std::vector<int64_t>& send_to,
-                                    const std::vector<int64_t>& recv_from) const {
+at::ScalarType Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& send,
+                                              const std::vector<at::Tensor>& recvs,
+                                              const std::vector<int64_t>& send_to,
+                                              const std::vector<int64_t>& recv_from) const {
   const Where at = where("exchange", bucket);
   TORCH_CHECK_VALUE(bucket >= 0 && bucket <= kMaxBucketId, at, "bucket ids must be in [0, ", kMaxBucketId, "]");
   TORCH_CHECK_VALUE(recvs.size() == recv_from.size(), at, "got ", recvs.size(), " recv buffers for ",
@@ -130,6 +134,7 @@ void Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& send, cons
                         "recvs[", i, "] and recvs[", j, "] overlap in memory (one buffer per peer)");
     }
   }
+  return wire;
 }
 
 const at::Tensor& Exchanger::wire_buffer(Bucket& b, const at::Tensor& send, bool receive_only) {
@@ -147,14 +152,26 @@ void Exchanger::exchange(int64_t bucket, const at::Tensor& send, const std::vect
   std::lock_guard<std::mutex> lock(mu_);
   ensure_usable("exchange");
   guarded([&] { transport_->check(); });
-  check_exchange_args(bucket, send, recvs, send_to, recv_from);
+  const at::ScalarType wire_dtype = check_exchange_args(bucket, send, recvs, send_to, recv_from);
   Bucket& b = buckets_[bucket];
   TORCH_CHECK(!b.in_flight, where("exchange", bucket), "bucket ", bucket,
               " is still in flight; call wait(", bucket, ") before exchanging it again");
 
+  // Agreed edges (the steady state) skip this; an empty bucket is agreed too, so that 0 elements on one rank
+  // against 1000 on its peer is a mismatch rather than a receive that never completes. An exchange without
+  // peers neither agrees nor changes anything.
+  const bool has_peers = !send_to.empty() || !recv_from.empty();
+  if (has_peers && !b.agreement.covers(send.numel(), wire_dtype, send_to, recv_from)) {
+    const std::vector<int64_t> peers = b.agreement.unagreed_peers(send.numel(), wire_dtype, send_to, recv_from);
+    guarded([&] { handshake(*transport_, bucket, send.numel(), wire_dtype, peers, send_to, recv_from,
+                            Clock::now() + timeout_, timeout_); });
+    b.agreement.record(send.numel(), wire_dtype, peers, send_to, recv_from);
+    ++handshakes_;
+  }
+
   // Nothing to move (world size 1, a step without peers, an empty bucket): the bucket is still tracked so
   // wait() pairs with every exchange() whatever the schedule.
-  b.has_transfer = (!send_to.empty() || !recv_from.empty()) && send.numel() > 0;
+  b.has_transfer = has_peers && send.numel() > 0;
   if (b.has_transfer) {
     if (!b.slot) b.slot = transport_->make_slot();
     const at::Tensor& wire = wire_buffer(b, send, send_to.empty());
@@ -232,6 +249,11 @@ void Exchanger::shutdown() {
 int64_t Exchanger::bytes_sent() const {
   std::lock_guard<std::mutex> lock(mu_);
   return bytes_sent_;
+}
+
+int64_t Exchanger::handshakes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return handshakes_;
 }
 
 std::vector<int64_t> Exchanger::in_flight() const {

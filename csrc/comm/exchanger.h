@@ -1,10 +1,11 @@
 // The exchange scheduler: the transport-agnostic half of decent_comm.exchange.Exchanger.
 //
 // It owns the bucket table (which bucket ids are in flight, in which order they were issued), validates
-// every argument before anything is enqueued, casts to the wire dtype through persistent per-bucket
-// buffers, counts bytes, and holds the error state: after a transport failure (timeout, dead peer) it
-// aborts the transport and every later call raises, naming the original error. The Transport (transport.h)
-// only moves bytes.
+// every argument before anything is enqueued, agrees each bucket's size and wire dtype with its peers before
+// its bytes first move (handshake.h), casts to the wire dtype through persistent per-bucket buffers, counts
+// bytes, and holds the error state: after a transport failure (timeout, dead peer, mismatch) it aborts the
+// transport and every later call raises, naming the original error. The Transport (transport.h) only moves
+// bytes.
 //
 // Calls are serialized by a mutex and meant to come from one thread; the bindings release the GIL around
 // them so a blocking wait does not stall other Python threads.
@@ -21,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "handshake.h"
 #include "transport.h"
 
 #pragma GCC visibility push(hidden)  // see transport.h
@@ -30,13 +32,17 @@ namespace decent_comm::comm {
 class Exchanger {
  public:
   // timeout_ms <= 0: the transport's default (the process group's timeout). wire_dtype: when set, floating
-  // buffers go on the wire in that dtype and recv buffers must have it.
-  Exchanger(std::shared_ptr<Transport> transport, int64_t timeout_ms, std::optional<at::ScalarType> wire_dtype);
+  // buffers go on the wire in that dtype and recv buffers must have it. allow_self_exchange (tests only: one
+  // GPU driving the whole NCCL transport): a rank may list itself in send_to / recv_from.
+  Exchanger(std::shared_ptr<Transport> transport, int64_t timeout_ms, std::optional<at::ScalarType> wire_dtype,
+            bool allow_self_exchange = false);
   ~Exchanger();
   Exchanger(const Exchanger&) = delete;
   Exchanger& operator=(const Exchanger&) = delete;
 
-  // Enqueues bucket `bucket`: `send` to every rank of send_to, recvs[i] from recv_from[i]. Returns at once.
+  // Enqueues bucket `bucket`: `send` to every rank of send_to, recvs[i] from recv_from[i]. Returns at once,
+  // except when an edge of this exchange has not agreed this size and wire dtype yet (a bucket's first
+  // exchanges, a new peer, a new size): then it first blocks until those peers reached the same exchange.
   // `send` must not be modified and `recvs` not read until wait(bucket).
   void exchange(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
                 const std::vector<int64_t>& send_to, const std::vector<int64_t>& recv_from);
@@ -54,6 +60,7 @@ class Exchanger {
   double timeout_seconds() const { return timeout_.count() / 1e3; }
   std::optional<at::ScalarType> wire_dtype() const { return wire_dtype_; }
   int64_t bytes_sent() const;
+  int64_t handshakes() const;              // size/dtype handshakes run so far (one per exchange that needed one)
   std::vector<int64_t> in_flight() const;  // bucket ids, in issue order
   bool closed() const;
 
@@ -64,12 +71,14 @@ class Exchanger {
     bool in_flight = false;
     bool has_transfer = false;  // false for an exchange with no peer or no bytes: wait() has nothing to do
     uint64_t seq = 0;           // issue order, for wait_all()
+    BucketAgreement agreement;  // the (peer, direction) edges that agreed its size and wire dtype
   };
   enum class State { Open, Failed, Closed };
 
   void ensure_usable(const char* call) const;
-  void check_exchange_args(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
-                           const std::vector<int64_t>& send_to, const std::vector<int64_t>& recv_from) const;
+  // Returns the wire dtype (wire_dtype_ for floating buffers when set, else send's dtype).
+  at::ScalarType check_exchange_args(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
+                                     const std::vector<int64_t>& send_to, const std::vector<int64_t>& recv_from) const;
   void check_peer_list(int64_t bucket, const char* what, const std::vector<int64_t>& ranks) const;
   // The bucket's persistent wire-dtype send buffer, or an undefined tensor when `send` goes as is.
   const at::Tensor& wire_buffer(Bucket& b, const at::Tensor& send, bool receive_only);
@@ -82,10 +91,12 @@ class Exchanger {
   std::shared_ptr<Transport> transport_;
   std::chrono::milliseconds timeout_;
   std::optional<at::ScalarType> wire_dtype_;
+  bool allow_self_exchange_;
   mutable std::mutex mu_;
   std::unordered_map<int64_t, Bucket> buckets_;
   uint64_t next_seq_ = 0;
   int64_t bytes_sent_ = 0;
+  int64_t handshakes_ = 0;
   State state_ = State::Open;
   std::string error_;  // the failure that made the exchanger unusable
 };

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -12,14 +13,21 @@ namespace decent_comm::comm {
 namespace {
 
 // Tags: bit 30 set keeps them clear of the small tags user code passes to dist.send/recv on the same
-// group; bits 24..29 are the exchanger's channel, so two exchangers on one group (or a new one after a
-// failed one left unmatched operations behind) never match each other's messages; bits 0..23 the bucket.
+// group; bit 29 tells a bucket's handshake headers from its data; bits 24..28 are the exchanger's channel, so
+// two exchangers on one group (or a new one after a failed one left unmatched operations behind) never
+// match each other's messages; bits 0..23 the bucket.
 constexpr int kTagBit = 1 << 30;
-constexpr int kChannels = 64;
+constexpr int kHeaderTagBit = 1 << 29;
+constexpr int kChannelShift = 24;
+constexpr int kChannels = 32;
+static_assert(kMaxBucketId < (1 << kChannelShift), "bucket ids must fit the tag's low 24 bits");
+static_assert((kChannels - 1) << kChannelShift < kHeaderTagBit, "channels must stay clear of the header bit");
 
-// The n-th exchanger created on a process group gets channel n % 64. Keyed by the group's name, which
+// The n-th exchanger opened on a process group gets channel n % kChannels. Keyed by the group's name, which
 // torch assigns in the same order on every rank, so ranks that create exchangers in the same order (as
-// they must create groups) agree on channels without communicating.
+// they must create groups) agree on channels without communicating. Claimed in open(), once the exchanger's
+// construction can no longer fail (decent_comm.exchange.Exchanger also agrees across ranks that every
+// rank's arguments were valid before it creates the transport).
 int next_channel(const c10d::ProcessGroup& pg) {
   static std::mutex mu;
   static std::map<std::string, int> created;
@@ -27,36 +35,30 @@ int next_channel(const c10d::ProcessGroup& pg) {
   return created[pg.getGroupName()]++ % kChannels;
 }
 
-// What a slot keeps alive: the Work handles and the tensors the transfer reads or writes.
-struct Pending {
-  c10::intrusive_ptr<c10d::Work> work;
-  PeerOp op;
+// What operations abandoned unfinished (a failure, or no shutdown()) keep alive: the backend may still write
+// into their tensors.
+struct Abandoned {
+  std::vector<PgPending> pending;
+  std::vector<at::Tensor> tensors;
 };
+
+void keep_unfinished_alive(std::vector<PgPending>&& pending, std::vector<at::Tensor>&& tensors) {
+  if (pending.empty()) return;
+  keep_alive_forever(std::make_shared<Abandoned>(Abandoned{std::move(pending), std::move(tensors)}));
+}
 
 struct PgSlot final : TransportSlot {
   int64_t bucket = -1;
   Clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
-  std::vector<Pending> pending;  // receives first, then sends
-  at::Tensor send;
-  std::vector<at::Tensor> recvs;
+  std::vector<PgPending> pending;  // receives first, then sends
+  std::vector<at::Tensor> tensors;  // what the transfers read or write: the payload, then the recvs
 
-  ~PgSlot() override {
-    // Destroyed with transfers not waited for (a failure, or no shutdown()): the backend may still write
-    // into the recv buffers, so they outlive us.
-    if (pending.empty()) return;
-    struct Kept {
-      std::vector<Pending> pending;
-      at::Tensor send;
-      std::vector<at::Tensor> recvs;
-    };
-    keep_alive_forever(std::make_shared<Kept>(Kept{std::move(pending), std::move(send), std::move(recvs)}));
-  }
+  ~PgSlot() override { keep_unfinished_alive(std::move(pending), std::move(tensors)); }
 
   void release() {
     pending.clear();  // clear() keeps the capacity: the next step allocates nothing here
-    send = at::Tensor();
-    recvs.clear();
+    tensors.clear();
   }
 };
 
@@ -86,16 +88,64 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   backend_ = pg_->getBackend(device_.type());
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
-  channel_ = next_channel(*pg_);
-  tag_base_ = kTagBit + (channel_ << 24);
-  static_assert(kMaxBucketId < (1 << 24), "bucket ids must fit the tag's low 24 bits");
   bounded_wait_ = backend_->getBackendName() == "gloo";
   default_timeout_ = process_group_timeout(*pg_, device_.type());
 }
 
+void ProcessGroupTransport::open() {
+  TORCH_CHECK(channel_ < 0, "decent_comm ProcessGroupTransport: opened twice");
+  channel_ = next_channel(*pg_);
+  tag_base_ = kTagBit + (channel_ << kChannelShift);
+}
+
 std::unique_ptr<TransportSlot> ProcessGroupTransport::make_slot() { return std::make_unique<PgSlot>(); }
 
+void ProcessGroupTransport::post(std::vector<PgPending>& pending, const at::Tensor& tensor, PeerOp op, int tag) {
+  one_[0] = tensor;
+  try {
+    pending.push_back({op.is_send ? backend_->send(one_, op.peer, tag) : backend_->recv(one_, op.peer, tag), op});
+  } catch (...) {
+    one_[0] = at::Tensor();
+    throw;
+  }
+  one_[0] = at::Tensor();
+}
+
+void ProcessGroupTransport::swap_headers(const HeaderSwap& op) {
+  TORCH_CHECK(channel_ >= 0, "decent_comm ProcessGroupTransport: used before open()");
+  const int tag = tag_base_ + kHeaderTagBit + int(op.bucket);
+  // The backend moves tensors of its own device type only.
+  const bool on_cpu = device_.is_cpu();
+  at::Tensor mine = on_cpu ? op.mine : op.mine.to(device_);
+  at::Tensor theirs = on_cpu ? op.theirs : at::zeros_like(op.theirs, op.theirs.options().device(device_));
+  std::vector<PgPending> pending;
+  PeerOp current{-1, false};
+  try {
+    for (size_t i = 0; i < op.peers.size(); ++i) {
+      // A timeout names the exchange's own transfers with that peer, which is what the caller asked for.
+      const int peer = int(op.peers[i]);
+      const auto edge = std::find_if(op.edges.begin(), op.edges.end(), [&](const PeerOp& e) { return e.peer == peer; });
+      current = edge != op.edges.end() ? *edge : PeerOp{peer, false};
+      post(pending, theirs[int64_t(i)], PeerOp{peer, false}, tag);
+      pending.back().op = current;
+      post(pending, mine[int64_t(i)], PeerOp{peer, true}, tag);
+      pending.back().op = current;
+    }
+  } catch (const std::exception& e) {
+    keep_unfinished_alive(std::move(pending), {mine, theirs});
+    throw transfer_error(op.bucket, "posting the size/dtype handshake for " + describe(current), e.what());
+  }
+  try {
+    wait_all(pending, op.bucket, op.deadline, op.timeout, "size/dtype handshake: ");
+  } catch (...) {
+    keep_unfinished_alive(std::move(pending), {mine, theirs});
+    throw;
+  }
+  if (!on_cpu) op.theirs.copy_(theirs);
+}
+
 void ProcessGroupTransport::start(TransportSlot& base, const BucketOp& op) {
+  TORCH_CHECK(channel_ >= 0, "decent_comm ProcessGroupTransport: used before open()");
   auto& slot = static_cast<PgSlot&>(base);
   slot.bucket = op.bucket;
   slot.deadline = op.deadline;
@@ -104,8 +154,8 @@ void ProcessGroupTransport::start(TransportSlot& base, const BucketOp& op) {
   // wait(), which the scheduler requires before the bucket is exchanged again.
   if (op.wire.defined()) op.wire.copy_(op.send);
   const at::Tensor& payload = op.wire.defined() ? op.wire : op.send;
-  slot.send = payload;
-  slot.recvs.assign(op.recvs.begin(), op.recvs.end());
+  slot.tensors.push_back(payload);
+  slot.tensors.insert(slot.tensors.end(), op.recvs.begin(), op.recvs.end());
   const int tag = tag_base_ + int(op.bucket);
 
   PeerOp current{-1, false};
@@ -113,19 +163,15 @@ void ProcessGroupTransport::start(TransportSlot& base, const BucketOp& op) {
     // Receives are posted first so the peers' sends find them ready.
     for (size_t i = 0; i < op.recv_from.size(); ++i) {
       current = {int(op.recv_from[i]), false};
-      one_[0] = op.recvs[i];
-      slot.pending.push_back({backend_->recv(one_, current.peer, tag), current});
+      post(slot.pending, op.recvs[i], current, tag);
     }
     for (const int64_t peer : op.send_to) {
       current = {int(peer), true};
-      one_[0] = payload;
-      slot.pending.push_back({backend_->send(one_, current.peer, tag), current});
+      post(slot.pending, payload, current, tag);
     }
   } catch (const std::exception& e) {
-    one_[0] = at::Tensor();
     throw transfer_error(op.bucket, "posting the " + describe(current), e.what());
   }
-  one_[0] = at::Tensor();
 }
 
 bool ProcessGroupTransport::wait_one(const c10::intrusive_ptr<c10d::Work>& work,
@@ -155,29 +201,39 @@ bool ProcessGroupTransport::finished_soon(const c10::intrusive_ptr<c10d::Work>& 
   }
 }
 
-void ProcessGroupTransport::wait(TransportSlot& base) {
-  auto& slot = static_cast<PgSlot&>(base);
-  for (size_t i = 0; i < slot.pending.size(); ++i) {
-    const Pending& p = slot.pending[i];
+void ProcessGroupTransport::wait_all(const std::vector<PgPending>& pending, int64_t bucket,
+                                     Clock::time_point deadline, std::chrono::milliseconds timeout,
+                                     const char* stage) const {
+  for (size_t i = 0; i < pending.size(); ++i) {
+    const PgPending& p = pending[i];
     std::string detail;
     try {
-      if (wait_one(p.work, slot.deadline)) continue;
+      if (wait_one(p.work, deadline)) continue;
       detail = "the operation was aborted";
     } catch (const std::exception& e) {
       detail = e.what();
     }
+    detail = stage + detail;
     // Failed. At (or past) the deadline it is a timeout: name every peer still unfinished, probing the
     // later ones for 1 ms each. Before it, the backend reported an error (typically: the peer exited).
-    if (Clock::now() + std::chrono::milliseconds(10) >= slot.deadline) {
+    if (Clock::now() + std::chrono::milliseconds(10) >= deadline) {
       std::vector<PeerOp> stuck{p.op};
-      for (size_t j = i + 1; j < slot.pending.size(); ++j) {
-        if (!finished_soon(slot.pending[j].work)) stuck.push_back(slot.pending[j].op);
+      for (size_t j = i + 1; j < pending.size(); ++j) {
+        const PeerOp& op = pending[j].op;
+        const bool named = std::any_of(stuck.begin(), stuck.end(),
+                                       [&](const PeerOp& s) { return s.peer == op.peer && s.is_send == op.is_send; });
+        if (!named && !finished_soon(pending[j].work)) stuck.push_back(op);
       }
-      throw timeout_error(slot.bucket, slot.timeout, stuck, detail);
+      throw timeout_error(bucket, timeout, stuck, detail);
     }
-    throw transfer_error(slot.bucket, describe(p.op) + " (rank " + std::to_string(p.op.peer) +
-                                          " may have exited or failed)", detail);
+    throw transfer_error(bucket, describe(p.op) + " (rank " + std::to_string(p.op.peer) +
+                                     " may have exited or failed)", detail);
   }
+}
+
+void ProcessGroupTransport::wait(TransportSlot& base) {
+  auto& slot = static_cast<PgSlot&>(base);
+  wait_all(slot.pending, slot.bucket, slot.deadline, slot.timeout, "");
   slot.release();
 }
 

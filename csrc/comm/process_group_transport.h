@@ -3,7 +3,8 @@
 //
 // No thread of its own: gloo's send/recv are already asynchronous (its transport thread moves the bytes),
 // so start() just posts them and wait() waits on the Work handles with the time left to the bucket's
-// deadline. Each bucket gets its own tag, so several buckets can be in flight between the same two ranks.
+// deadline. Each bucket gets its own tag, so several buckets can be in flight between the same two ranks,
+// and its handshake headers another, so a header never meets a data message.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -18,6 +19,12 @@ namespace decent_comm::comm {
 // for a backend that does not say).
 std::chrono::milliseconds process_group_timeout(c10d::ProcessGroup& pg, c10::DeviceType device_type);
 
+// A posted send or receive, and what its failure names.
+struct PgPending {
+  c10::intrusive_ptr<c10d::Work> work;
+  PeerOp op;
+};
+
 class ProcessGroupTransport final : public Transport {
  public:
   // device: where the buffers live (the process group needs a backend for its type).
@@ -30,26 +37,42 @@ class ProcessGroupTransport final : public Transport {
   std::chrono::milliseconds default_timeout() const override { return default_timeout_; }
   int channel() const { return channel_; }
 
+  void open() override;
   std::unique_ptr<TransportSlot> make_slot() override;
+  void swap_headers(const HeaderSwap& op) override;
   void start(TransportSlot& slot, const BucketOp& op) override;
   void wait(TransportSlot& slot) override;
   void synchronize() override {}  // wait() already blocked until every transfer completed
   void abort() noexcept override {}  // nothing to stop; unfinished slots keep their buffers alive
-  void shutdown() override {}     // the process group belongs to the caller
+  // Everything completed: drop our references to the group (it belongs to the caller). Held on, they would
+  // keep the gloo backend and its worker threads alive after dist.destroy_process_group() for as long as
+  // the Exchanger lives (an optimizer in a reference cycle: until the interpreter's final GC), and a gloo
+  // worker still releasing a finished collective's tensors needs the GIL; once Python finalizes, that
+  // thread is killed inside a noexcept destructor: std::terminate (issue #14.1).
+  void shutdown() override {
+    backend_.reset();
+    pg_.reset();
+  }
 
  private:
+  // Posts a receive (is_send false) or send of `tensor` on `tag`, appending it to `pending`.
+  void post(std::vector<PgPending>& pending, const at::Tensor& tensor, PeerOp op, int tag);
+  // Waits for every operation of `pending` until `deadline`; raises a timeout naming the unfinished ones, or
+  // the error of the first that failed. `stage` prefixes the backend's text ("" for data).
+  void wait_all(const std::vector<PgPending>& pending, int64_t bucket, Clock::time_point deadline,
+                std::chrono::milliseconds timeout, const char* stage) const;
   // Waits for one operation until `deadline`; false or an exception when it failed or timed out.
   bool wait_one(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline) const;
   // For a timeout message: did this operation finish (probed for at most ~1 ms)?
   bool finished_soon(const c10::intrusive_ptr<c10d::Work>& work) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive (until shutdown())
   c10::intrusive_ptr<c10d::Backend> backend_;
   c10::Device device_;
   int rank_;
   int world_size_;
-  int channel_;   // which exchanger on this process group (same creation order on every rank)
-  int tag_base_;  // tag of bucket b is tag_base_ + b
+  int channel_ = -1;  // which exchanger on this process group (same creation order on every rank); open()
+  int tag_base_ = 0;   // tag of bucket b's data is tag_base_ + b, of its handshake headers that + kHeaderTagBit
   // gloo's Work::wait(timeout) returns or throws by the timeout; other backends are polled (isCompleted)
   // so a wait never outlives the deadline whatever the backend.
   bool bounded_wait_;

@@ -20,8 +20,12 @@
 namespace decent_comm::comm {
 
 // Bucket ids are 0 <= id <= kMaxBucketId: the ProcessGroup transport derives a message tag from the id
-// (tags are 31-bit and also carry an exchanger channel), and every transport shares the same bound.
+// (tags are 31-bit and also carry an exchanger channel and a data/handshake bit), and every transport shares
+// the same bound.
 constexpr int64_t kMaxBucketId = (int64_t(1) << 24) - 1;
+
+// int64 words of the header two ranks swap before a bucket's bytes first move between them (handshake.h).
+constexpr int64_t kHeaderWords = 6;
 
 // A transport's per-bucket state (Work handles, CUDA events, the tensors kept alive while in flight).
 // Created once per bucket id and reused every step, so the steady state allocates nothing here.
@@ -46,6 +50,18 @@ struct BucketOp {
   std::chrono::milliseconds timeout;   // for messages
 };
 
+// One bucket's handshake (handshake.h): mine[i] goes to peers[i] and theirs[i] comes from peers[i], one
+// header each way per peer, host-blocking until all arrived or the deadline passed.
+struct HeaderSwap {
+  int64_t bucket;
+  const std::vector<int64_t>& peers;
+  const std::vector<PeerOp>& edges;  // the exchange's transfers with those peers, to name them in a timeout
+  const at::Tensor& mine;            // int64 CPU, [peers.size(), kHeaderWords], contiguous
+  const at::Tensor& theirs;          // same; written
+  Clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -57,7 +73,17 @@ class Transport {
   // Used when the caller gives no timeout (the process group's own timeout where there is one).
   virtual std::chrono::milliseconds default_timeout() const = 0;
 
+  // Whether a rank may list itself as a peer (a loopback transfer). Only NCCL can: gloo has no pair to self.
+  virtual bool supports_self_exchange() const { return false; }
+  // Called once by the Exchanger that owns this transport, after it validated its own arguments: where a
+  // transport claims what must be claimed in the same order on every rank (the ProcessGroup transport's tag
+  // channel), so that a construction refused on one rank claims nothing there.
+  virtual void open() {}
+
   virtual std::unique_ptr<TransportSlot> make_slot() = 0;
+  // Host-blocking: swaps handshake headers with peers (see HeaderSwap). Raises ExchangeTimeoutError /
+  // ExchangeError like a transfer.
+  virtual void swap_headers(const HeaderSwap& op) = 0;
   // Enqueues the bucket's receives and sends and returns without waiting for the peers.
   virtual void start(TransportSlot& slot, const BucketOp& op) = 0;
   // Makes the bucket's data usable by the caller: CPU transports block until its transfers completed;

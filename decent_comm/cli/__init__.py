@@ -3,8 +3,9 @@
 ``main(argv=None) -> int`` builds an argparse parser with one subparser per
 registered subcommand (``registry.SUBCOMMANDS``, filled by importing
 ``registry.BUILTIN_MODULES``) and returns the exit code: 0 on success, 2 on
-bad input (argparse style: usage line plus ``error: ...`` on stderr, never a
-traceback).  It does not call ``sys.exit``; ``decent_comm/__main__.py`` does.
+bad input: one line ``python -m decent_comm plan: error: ...`` on stderr
+naming the flag (argparse's code; no usage dump, never a traceback).  It does
+not call ``sys.exit``; ``decent_comm/__main__.py`` does.
 """
 from __future__ import annotations
 
@@ -21,10 +22,17 @@ def _load_builtins() -> None:
         importlib.import_module(mod)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit code 2): ``--help`` shows the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
     _load_builtins()
-    parser = argparse.ArgumentParser(prog="python -m decent_comm",
+    parser = OneLineErrorParser(prog="python -m decent_comm",
                                      description="decent_comm command line tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -10,14 +10,21 @@ from __future__ import annotations
 import argparse
 import math
 
+from .. import topology as _topology
 from ..runtime_model import units
-from ..runtime_model.hardware import INTRA_SHARING, ClusterConfig
+from ..runtime_model.hardware import INTRA_SHARING, MAX_WORLD_SIZE, ClusterConfig
 from ..runtime_model.planner import GAP_THRESHOLD, default_topologies, plan
 from ..runtime_model.workload import DDP_BUCKET_BYTES, EXCHANGES, MODES, WIRE_DTYPES, ComputeTime, Workload
 from . import plan_report
+from .args import BANDWIDTH, COUNT, DURATION, SIZE, integer, number, read_sample
 from .registry import Subcommand, register
 
-DESCRIPTION = """\
+#: Most simulated steps ``--steps`` accepts (the default is 500; the simulation budget may lower it further).
+MAX_STEPS = 100_000
+#: Most timed iterations ``--measure-iters`` accepts.
+MAX_MEASURE_ITERS = 1000
+
+DESCRIPTION = f"""\
 Predict the mean step time of ring All-Reduce and of gossip topologies on a
 cluster, closed form and simulated side by side, with the paper's ratios
 gamma (all-reduce comm / compute), omega (gossip comm / all-reduce comm) and
@@ -31,7 +38,10 @@ is per rank (--intra-sharing pair: per rank pair).
 Recommendation: the fastest (simulated, else closed-form) step time among
 allreduce and the topologies whose spectral gap per step is >= --gap-threshold
 (sparser graphs average slower per step, so they may need more steps to reach
-the same loss); if none reaches it, all topologies compete.
+the same loss); if none reaches it, all topologies compete.  When a candidate
+would exceed the simulation budget (large clusters), nothing is simulated and
+the comparison is closed form.  At most {MAX_WORLD_SIZE} ranks (--nodes x
+--gpus-per-node).
 
 --json prints one object: one entry per candidate name ("allreduce" and each
 topology) with step_seconds, speedup, simulated_step_seconds,
@@ -45,60 +55,30 @@ example:
 """
 
 
-def _typed(fn, **kw):
-    def parse(text):
-        try:
-            return fn(text, **kw)
-        except units.UnitError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    parse.__name__ = fn.__name__.replace("parse_", "")
-    return parse
-
-
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
-def _fraction(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=_positive_int, default=1, help="number of nodes (default 1)")
-    g.add_argument("--gpus-per-node", "--ranks-per-node", dest="gpus_per_node", type=_positive_int, default=1,
-                   help="ranks per node (default 1)")
-    g.add_argument("--inter-bw", type=_typed(units.parse_bandwidth), help="inter-node bandwidth per node, e.g. 25Gbit")
-    g.add_argument("--intra-bw", type=_typed(units.parse_bandwidth), help="intra-node bandwidth per rank, e.g. 600Gbit")
-    g.add_argument("--latency", type=_typed(units.parse_duration), help="latency of both link classes, e.g. 5us")
-    g.add_argument("--inter-latency", type=_typed(units.parse_duration), help="inter-node latency (default 10us)")
-    g.add_argument("--intra-latency", type=_typed(units.parse_duration), help="intra-node latency (default 3us)")
+    g.add_argument("--nodes", type=integer(1, MAX_WORLD_SIZE), default=1, help="number of nodes (default 1)")
+    g.add_argument("--gpus-per-node", "--ranks-per-node", dest="gpus_per_node", type=integer(1, MAX_WORLD_SIZE),
+                   default=1, help="ranks per node (default 1)")
+    g.add_argument("--inter-bw", type=BANDWIDTH, help="inter-node bandwidth per node, e.g. 25Gbit")
+    g.add_argument("--intra-bw", type=BANDWIDTH, help="intra-node bandwidth per rank, e.g. 600Gbit")
+    g.add_argument("--latency", type=DURATION, help="latency of both link classes, e.g. 5us")
+    g.add_argument("--inter-latency", type=DURATION, help="inter-node latency (default 10us)")
+    g.add_argument("--intra-latency", type=DURATION, help="intra-node latency (default 3us)")
     g.add_argument("--intra-sharing", choices=INTRA_SHARING, default="rank",
                    help="intra-node bandwidth belongs to each rank (default) or to each rank pair")
     g = p.add_argument_group("workload")
-    g.add_argument("--params", type=_typed(units.parse_count), help="parameters per replica, e.g. 65M, 1.3B")
+    g.add_argument("--params", type=COUNT, help="parameters per replica, e.g. 65M, 1.3B")
     g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
                    help="dtype on the wire: fp32 (default, 4 bytes/param), bf16, fp16 (2), fp8 (1), ...")
-    g.add_argument("--compute", type=_typed(units.parse_duration, allow_zero=True),
+    g.add_argument("--compute", type=DURATION,
                    help="mean forward+backward+update time per step, e.g. 120ms")
-    g.add_argument("--compute-std", type=_typed(units.parse_duration), default=0.0,
+    g.add_argument("--compute-std", type=DURATION, default=0.0,
                    help="its standard deviation (default 0)")
     g.add_argument("--compute-sample", metavar="FILE|LIST",
                    help="measured step times: a file with one duration per line or a comma list (resampled)")
-    g.add_argument("--forward-fraction", type=_fraction, default=1 / 3, help="forward share of compute (1/3)")
-    g.add_argument("--backward-fraction", type=_fraction, default=2 / 3, help="backward share of compute (2/3)")
+    g.add_argument("--forward-fraction", type=number(0, 1), default=1 / 3, help="forward share of compute (1/3)")
+    g.add_argument("--backward-fraction", type=number(0, 1), default=2 / 3, help="backward share of compute (2/3)")
     g.add_argument("--mode", choices=MODES, default="awc",
                    help="awc: exchange overlaps forward+backward (default); atc: forward only")
     g.add_argument("--exchange", choices=EXCHANGES, default="auto",
@@ -106,16 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " of >= 3 ranks run one all-reduce per group, the others point to point; p2p: each rank"
                         " sends its buffer to each peer; group-allreduce: every uniform-group step as all-reduces"
                         " (Decent-DP)")
-    g.add_argument("--bucket-size", type=_typed(units.parse_size), default=float(DDP_BUCKET_BYTES),
+    g.add_argument("--bucket-size", type=SIZE, default=float(DDP_BUCKET_BYTES),
                    help="all-reduce bucket size (default 25MiB, as PyTorch DDP)")
     g = p.add_argument_group("planning")
-    g.add_argument("--topologies", help="comma list (default: one-peer-exp,exp,ring,aer,base-k,torus,complete;"
-                   " aer only when nodes is a power of two >= 2)")
-    g.add_argument("--gap-threshold", type=float, default=GAP_THRESHOLD,
+    g.add_argument("--topologies", help="comma list (default: one-peer-exp,one-peer-hypercube,exp,ring,aer,"
+                   "aer-pair,base-k,torus,complete; aer and aer-pair only when nodes is a power of two >= 2,"
+                   " one-peer-hypercube only when nodes x gpus-per-node is)")
+    g.add_argument("--gap-threshold", type=number(hi=1), default=GAP_THRESHOLD,
                    help=f"minimum spectral gap per step to be recommended (default {GAP_THRESHOLD})")
-    g.add_argument("--steps", type=_positive_int, default=500, help="simulated steps (default 500)")
-    g.add_argument("--warmup", type=int, default=50, help="simulated warm-up steps (default 50)")
-    g.add_argument("--seed", type=int, default=0, help="simulation seed")
+    g.add_argument("--steps", type=integer(1, MAX_STEPS), default=500,
+                   help=f"simulated steps (default 500, at most {MAX_STEPS})")
+    g.add_argument("--warmup", type=integer(0, MAX_STEPS), default=50, help="simulated warm-up steps (default 50)")
+    g.add_argument("--seed", type=integer(0, 2 ** 63 - 1), default=0, help="simulation seed")
     g.add_argument("--no-sim", action="store_true", help="closed form only")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g = p.add_argument_group("measurement")
@@ -125,34 +107,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="MODULE:FACTORY",
                    help="with --measure: factory returning (model, example_batch); default a built-in MLP"
                         " of --params parameters")
-    g.add_argument("--measure-iters", type=_positive_int, default=10, help="timed iterations (default 10)")
+    g.add_argument("--measure-iters", type=integer(1, MAX_MEASURE_ITERS), default=10,
+                   help="timed iterations (default 10)")
     g.add_argument("--device", default="auto", help="with --measure: auto, cpu, cuda, cuda:1 ...")
-
-
-def _read_sample(text: str) -> list:
-    import os
-    if os.path.exists(text):
-        with open(text) as fh:
-            items = [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
-    else:
-        items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"--compute-sample {text!r}: no values")
-    return [units.parse_duration(t) for t in items]
 
 
 def _measure(args, notes: list):
     """Fill compute / params / links from local measurements (explicit flags win)."""
-    from ..runtime_model import measure
+    from . import measure
 
+    dev = measure.resolve_device(args.device)
     if args.model:
-        model, batch = measure.load_factory(args.model)()
+        model, batch = measure.load_model(args.model)
     else:
         if args.params is None:
             raise ValueError("--measure without --model needs --params (size of the built-in MLP)")
         model, batch = measure.builtin_mlp(args.params)
     n_params = sum(p.numel() for p in model.parameters())
-    times = measure.measure_compute(model, batch, iters=args.measure_iters, device=args.device)
+    times = measure.measure_compute(model, batch, iters=args.measure_iters, device=str(dev))
     what = f"model {args.model}" if args.model else "built-in MLP"
     notes.append(f"measured compute over {len(times)} iterations ({what},"
                  f" {n_params / 1e6:.3g}M params): mean {units.format_seconds(sum(times) / len(times))}")
@@ -172,8 +144,24 @@ def _measure(args, notes: list):
         args.intra_latency = probe.intra_latency
 
 
+def _check(args, parser) -> None:
+    """What no single flag's type can check; ``parser.error`` (exit code 2) naming the flags."""
+    n = args.nodes * args.gpus_per_node
+    if n > MAX_WORLD_SIZE:
+        parser.error(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {n} ranks; the planner models"
+                     f" at most {MAX_WORLD_SIZE} ranks")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    if args.forward_fraction + args.backward_fraction > 1 + 1e-9:
+        parser.error(f"--forward-fraction + --backward-fraction must be <= 1 (shares of one compute time), got"
+                     f" {args.forward_fraction:g} + {args.backward_fraction:g}")
+    if args.model and not args.measure:
+        parser.error("--model is used with --measure only")
+
+
 def build_inputs(args, parser):
     """``(ClusterConfig, Workload, notes)`` from parsed flags; ``parser.error`` on missing ones."""
+    _check(args, parser)
     notes = []
     if args.measure:
         _measure(args, notes)
@@ -185,10 +173,6 @@ def build_inputs(args, parser):
         parser.error("--inter-bw is required with --nodes > 1 (e.g. --inter-bw 25Gbit), or --measure")
     if args.gpus_per_node > 1 and args.intra_bw is None:
         parser.error("--intra-bw is required with --gpus-per-node > 1 (e.g. --intra-bw 600Gbit), or --measure")
-    if not args.gap_threshold <= 1:
-        parser.error(f"--gap-threshold must be <= 1, got {args.gap_threshold}")
-    if args.warmup < 0 or args.warmup >= args.steps:
-        parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     lat = args.latency
     cluster = ClusterConfig(
         nodes=args.nodes, ranks_per_node=args.gpus_per_node,
@@ -204,23 +188,40 @@ def build_inputs(args, parser):
             notes.append("--compute given: --compute-sample / measured times not used")
     else:
         sample = args.compute_sample
-        compute = ComputeTime.from_sample(sample if isinstance(sample, list) else _read_sample(sample), **fractions)
+        compute = ComputeTime.from_sample(sample if isinstance(sample, list) else read_sample(sample), **fractions)
     workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
                         mode=args.mode, bucket_bytes=args.bucket_size, exchange=args.exchange)
     return cluster, workload, notes
 
 
-def run(args, parser) -> int:
-    cluster, workload, notes = build_inputs(args, parser)
-    if args.topologies:
-        names = [t.strip() for t in args.topologies.split(",") if t.strip()]
-        if not names:
-            parser.error("--topologies is empty")
-    else:
+def topology_names(text, cluster, notes: list) -> list:
+    """Canonical names from ``--topologies`` (``ValueError`` naming the flag for an unknown one), or the
+    defaults for ``cluster``; ``allreduce`` is always a candidate, so naming it changes nothing."""
+    if text is None:
         names = default_topologies(cluster)
         if "aer" not in names:
             notes.append("aer skipped: it needs the number of nodes to be a power of two >= 2"
                          f" (got {cluster.nodes})")
+        if "one-peer-hypercube" not in names:
+            notes.append("one-peer-hypercube skipped: it needs the number of ranks to be a power of two"
+                         f" (got {cluster.world_size})")
+        return names
+    names = []
+    for raw in (t.strip() for t in text.split(",")):
+        if raw and raw.lower().replace("_", "-") not in ("allreduce", "all-reduce"):
+            try:
+                names.append(_topology.canonical_name(raw))
+            except ValueError:
+                raise ValueError(f"--topologies: unknown topology {raw!r}; valid names: allreduce,"
+                                 f" {', '.join(_topology.NAMES)}") from None
+    if not names and not text.strip(", "):
+        raise ValueError("--topologies is empty")
+    return names
+
+
+def run(args, parser) -> int:
+    cluster, workload, notes = build_inputs(args, parser)
+    names = topology_names(args.topologies, cluster, notes)
     result = plan(cluster, workload, names, simulate_steps=args.steps, warmup=args.warmup, seed=args.seed,
                   run_simulation=not args.no_sim, gap_threshold=args.gap_threshold)
     if args.json:

@@ -13,6 +13,12 @@ thread, and says exactly when each bucket's data has arrived.
 once waited for. ``recvs[i]`` must be contiguous, on the exchanger's device, with ``send.numel()``
 elements of the wire dtype (``wire_dtype`` if given, else ``send``'s dtype).
 
+Peers must agree on a bucket: the same number of elements and the same wire dtype. The first time a bucket
+meets a peer in a direction, and again after its size or wire dtype changed, ``exchange`` swaps a small header
+with that peer before posting any data (so that call blocks until the peer reached the same exchange); a
+difference raises ``ExchangeError`` on both ranks, naming the bucket, the peer and both sides, and nothing
+is sent. Later exchanges of an agreed bucket cost nothing extra.
+
 The transport: NCCL (its own non-blocking communicator, a high-priority comm stream, per-bucket events)
 when ``device`` is CUDA and the extension was built with NCCL; otherwise the process group's own
 send/recv (gloo on CPU). A transfer not complete ``timeout`` seconds after it was issued (default: the
@@ -20,6 +26,10 @@ timeout the process group was created with) raises ``ExchangeTimeout`` naming th
 a peer that exits raises ``ExchangeError``. Either makes the exchanger unusable: every later call raises
 ``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` (or ``RuntimeError`` for a
 bucket that is or is not in flight) and leave it usable.
+
+Construction is collective over the group: the ranks first agree that every rank accepted its arguments,
+so a refused construction raises on every rank (on the others a ``ValueError`` naming the refusing rank)
+and leaves no rank with an exchanger, or a tag channel used up, that another rank lacks.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .._native import _C
+from . import _closing
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
 
@@ -54,6 +65,36 @@ def _timeout_ms(timeout) -> int:
     return max(1, round(seconds * 1000))
 
 
+def _check_wire_dtype(wire_dtype):
+    if wire_dtype is not None and not (isinstance(wire_dtype, torch.dtype) and wire_dtype.is_floating_point):
+        raise ValueError(f"Exchanger: wire_dtype must be a floating point dtype (e.g. torch.bfloat16), got "
+                         f"{wire_dtype!r}")
+
+
+def _check_max_ctas(nccl_max_ctas):
+    if nccl_max_ctas is not None and (isinstance(nccl_max_ctas, bool) or not isinstance(nccl_max_ctas, int)
+                                      or nccl_max_ctas < 1):
+        raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
+
+
+def _agree_on_arguments(group, problem: Optional[Exception]):
+    """Raises on every rank of `group` if any rank refused its arguments (`problem`): construction is all or
+    nothing, so no rank keeps an exchanger (or has used up a tag channel) that another rank lacks."""
+    world_size = dist.get_world_size(group)
+    if world_size > 1:
+        verdicts = [None] * world_size
+        dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
+                               group=group)
+    if problem is not None:
+        raise problem
+    if world_size > 1:
+        refused = [(r, text) for r, text in enumerate(verdicts) if text is not None]
+        if refused:
+            rank, text = refused[0]
+            raise ValueError(f"Exchanger: rank {rank} of the group refused its arguments, so no rank creates this "
+                             f"exchanger: {text}")
+
+
 def _resolve_device(device, group) -> torch.device:
     if device is None:
         if "nccl" in str(dist.get_backend(group)):
@@ -62,6 +103,8 @@ def _resolve_device(device, group) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and not device.index < torch.cuda.device_count():
+        raise ValueError(f"Exchanger: device {device} does not exist ({torch.cuda.device_count()} CUDA devices)")
     return device
 
 
@@ -91,23 +134,49 @@ class Exchanger(_C._Exchanger):
     backend is NCCL, else CPU. timeout: seconds or timedelta. wire_dtype: e.g. torch.bfloat16 sends
     floating buffers in that dtype (recvs must have it). nccl_max_ctas: cap on the CTAs (SMs) NCCL may use
     (NCCL transport only; ignored otherwise). Creating one is collective over the group.
+    _allow_self_exchange: tests only (NCCL transport): a rank may list itself as a peer, so that one GPU
+    drives the whole transport (a loopback through a one-rank communicator).
     """
 
     def __init__(self, process_group=None, device=None, *, timeout=None, wire_dtype: Optional[torch.dtype] = None,
-                 nccl_max_ctas: Optional[int] = None):
+                 nccl_max_ctas: Optional[int] = None, _allow_self_exchange: bool = False):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Exchanger: torch.distributed is not initialized (call dist.init_process_group)")
         group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-        device = _resolve_device(device, group)
-        timeout_ms = _timeout_ms(timeout)
-        if nccl_max_ctas is not None and (isinstance(nccl_max_ctas, bool) or int(nccl_max_ctas) < 1):
-            raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
-        if device.type == "cuda" and nccl_available():
+        transport, problem = None, None
+        try:  # everything that can refuse this rank's arguments, before any rank commits to anything
+            device = _resolve_device(device, group)
+            timeout_ms = _timeout_ms(timeout)
+            _check_wire_dtype(wire_dtype)
+            _check_max_ctas(nccl_max_ctas)
+            use_nccl = device.type == "cuda" and nccl_available()
+            if _allow_self_exchange and not use_nccl:
+                raise ValueError("Exchanger: _allow_self_exchange needs the NCCL transport (a CUDA device and an "
+                                 "extension built with NCCL); gloo has no loopback")
+            if not use_nccl:  # local: its tag channel is claimed only once the exchanger is built
+                transport = _C._process_group_transport(group, device)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            problem = exc
+        _agree_on_arguments(group, problem)
+        if use_nccl:  # collective itself, so only once every rank is known to get here
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
-        else:
-            transport = _C._process_group_transport(group, device)
-        super().__init__(transport, timeout_ms, wire_dtype)
+        super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)
         self.process_group = group
+        _closing.track(self)  # closed when collected or at exit if nobody shut it down (see _closing)
+        self._tracked = True
+
+    def __del__(self):
+        # Before the native destructor, which could only abandon what is in flight (and warn). Only once the
+        # native object exists: if __init__ raised before, calling into it would dereference nothing.
+        if self.__dict__.get("_tracked") and not self.closed:
+            _closing.close_on_collect(self)
+
+    def shutdown(self):
+        """Completes what is in flight and releases the transport (idempotent; after an error it aborts
+        instead). The process group is no longer referenced afterwards, so dist.destroy_process_group()
+        can really destroy it (and join its backend's threads) while this object lives on."""
+        super().shutdown()
+        self.process_group = None
 
     def __enter__(self) -> "Exchanger":
         return self

@@ -6,7 +6,8 @@ Semantics (t counts optimizer steps from 0; W'(t) = (1 - a_t) I + a_t W(t)):
   awc  x_i^{t+1} = sum_j W'_ij(t) x_j^t - lr * d_i^t          (one fused kernel per bucket; the exchange
        of x^{t+1} is launched at the end of step t and overlaps the whole next forward and backward)
   atc  x_i^{t+1} = sum_j W'_ij(t) (x_j^t - lr * d_j^t)         (local update, exchange, then the mix: in a
-       forward pre-hook of the first module using each bucket when `model` is given, else at the next step)
+       forward pre-hook of the first module using each bucket - the modules of `model` when given, else those
+       a global pre-hook sees run - or at the end of the step for a bucket no module covers)
 
 Watching the replicas (decent_comm.optim.diagnostics): ``last_disagreement`` / ``disagreement()`` (from the
 fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_distance()`` (collectives),
@@ -21,9 +22,13 @@ import torch
 from .. import ops
 from . import diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import Bucket, build_buckets, gather_grads, segments, zero_grads
+from .buckets import (Bucket, build_buckets, count_steps, gather_grads, load_state, publish_state, segments,
+                      zero_grads)
+from .plan import Cadence
 from .schedule import MODES, GossipSchedule
-from .startup import broadcast_from_rank0, distributed_context, resolve_topology, verify_replicas
+from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
+                      resolve_topology, verify_replicas)
+from .tracing import traced
 
 __all__ = ["DecentralizedMixin", "MODES"]
 
@@ -36,28 +41,43 @@ class DecentralizedMixin:
     # GradScaler then calls step() even on overflow (passing grad_scale / found_inf), so a rank that skips
     # its update still keeps the exchange schedule in lockstep with its neighbours.
     _step_supports_amp_scaling = True
+    # Whether a sparse gradient may be densified: the update equals torch's from the sparse one (SGD), or the
+    # wrapped optimizer sees dense gradients anyway; Adam-family fused kernels refuse them, as torch.optim.Adam.
+    _sparse_grads_ok = False
 
     def _init_decentralized(self, *, topology, mode, process_group, bucket_cap_mb, comm_dtype, consensus, model,
-                            broadcast_init, timeout, track_disagreement=False, exchange="auto"):
+                            broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False,
+                            gossip_every=1, warmup_steps=0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_options(timeout=timeout, comm_dtype=comm_dtype)
+        cadence = Cadence(gossip_every, warmup_steps)
         self.process_group = process_group
         self.rank, self.world_size = distributed_context(process_group)
         topology = resolve_topology(topology, self.world_size)
         self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
+        self._ddp_guard = DDPGuard(self, self._buckets, model)
+        self._num_groups = len(self.param_groups)
+        self._closure, self._closure_loss = None, None
         self._model = model
         if self.world_size > 1:
-            verify_replicas(self._buckets, topology, mode, type(self).__name__, process_group, self.world_size)
+            config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
+                                    mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
+                                    bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps)
+            verify_replicas(config, process_group, self.world_size)
             if broadcast_init:
                 broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
             process_group=process_group, consensus=consensus, lr=self._lr0, comm_dtype=comm_dtype, timeout=timeout,
-            exchange=exchange, track_disagreement=track_disagreement)
-        if model is not None and mode == "atc":
+            exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite, cadence=cadence)
+        if mode == "atc":
             self._schedule.attach(model)
 
     # ----------------------------------------------------------------------------------- configuration
+
+    def _optimizer_name(self) -> str:
+        return type(self).__name__
 
     @property
     def topology(self):
@@ -96,20 +116,65 @@ class DecentralizedMixin:
                 b.grad.mul_(inv.to(b.grad.device) if torch.is_tensor(inv) else inv)
         return False
 
+    def add_param_group(self, param_group: dict):
+        if hasattr(self, "_schedule"):  # torch's __init__ adds the initial groups before the buckets exist
+            raise RuntimeError(
+                "decent_comm: add_param_group after construction is not supported: the parameters are laid out in "
+                "flat buckets at construction, the same on every rank, and exchanged bucket by bucket. Pass every "
+                "param group to the constructor (parameters that should not train yet can have lr=0 or "
+                "requires_grad=False: they are still averaged), or build a new optimizer.")
+        super().add_param_group(param_group)
+
+    def _closure_for_inner(self) -> bool:
+        """Decentralized passes the closure to the wrapped optimizer (LBFGS evaluates it several times)."""
+        return False
+
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
+        if self._ddp_guard is not None:  # a DDP wrap would have shown in the forward before the first step
+            self._ddp_guard.remove()
+            self._ddp_guard = None
+        if len(self.param_groups) != self._num_groups:
+            raise RuntimeError(f"decent_comm: the optimizer was built with {self._num_groups} param group(s) and now "
+                               f"has {len(self.param_groups)}: groups added later (e.g. to the wrapped optimizer) "
+                               "would be neither updated nor averaged; pass every group at construction")
+        if self._is_state_initialization():
+            self._initialize_state()
+            return None
+        loss, self._closure_loss = None, None
+        self._closure = closure if self._closure_for_inner() else None
+        if closure is not None and self._closure is None:
             with torch.enable_grad():
                 loss = closure()
         for b in self._buckets:
-            gather_grads(b)
+            gather_grads(b, self._sparse_grads_ok)
+        found_inf = getattr(self, "found_inf", None)
+        self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
         skip_update = self._amp_unscale_and_check()
         if self.mode == "awc":
             self._step_awc(skip_update)
         else:
             self._step_atc(skip_update)
-        return loss
+        self._closure = None
+        return loss if self._closure_loss is None else self._closure_loss
+
+    def _is_state_initialization(self) -> bool:
+        """torch.distributed.checkpoint's get/set_state_dict initialize an optimizer whose state is empty with a
+        step() at lr 0 on zero gradients. Such a step must neither communicate nor advance the schedule."""
+        if self.state or any(float(g["lr"]) != 0.0 for g in self.param_groups):
+            return False
+        return all(p.grad is None or not p.grad.any() for p in self._param_list())
+
+    def _initialize_state(self):
+        """Every parameter's state, zero, as views (its step count stays 0: the next step is the first)."""
+        for b in self._buckets:
+            for name in self._state_names(self.param_groups[b.group_index]):
+                b.state_buffer(name)
+            publish_state(b, self.state, include_unstepped=True)
+
+    def _state_names(self, group) -> List[str]:
+        """Names of the flat state buffers the fused kernel of this optimizer keeps for `group`."""
+        raise NotImplementedError
 
     def _step_awc(self, skip_update: bool):
         s = self._schedule
@@ -121,6 +186,7 @@ class DecentralizedMixin:
         s.record_step_sq(step_sq)
         s.finish_step()
 
+    @traced("mix_update")
     def _update_awc(self, plan, skip_update: bool, measure: bool) -> Optional[torch.Tensor]:
         """The fused mix + update of every bucket; ||x^{t+1} - mix(x^t)||^2 when `measure`."""
         step_sq = []
@@ -146,6 +212,7 @@ class DecentralizedMixin:
             s.record_step_sq(sum_scalars([sq_dist(b.flat, r) for b, r in zip(self._buckets, refs)]))
         s.atc_launch()
 
+    @traced("local_update")
     def _update_local(self, skip_update: bool):
         """The local update alone (ATC's adapt half)."""
         for b in self._buckets:
@@ -165,9 +232,8 @@ class DecentralizedMixin:
             elif mixing:
                 ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis)
         if not skip_update:
-            for i, s in enumerate(b.slots):
-                if s.param.grad is not None:
-                    b.steps[i] += 1
+            count_steps(b)
+            publish_state(b, self.state)
 
     # -------------------------------------------------------------------------------------- diagnostics
 
@@ -241,7 +307,7 @@ class DecentralizedMixin:
         semantics; parameters without a gradient are ignored)."""
         norms = []
         for b in self._buckets:
-            gather_grads(b)
+            gather_grads(b, self._sparse_grads_ok)
             for seg in segments(b, b.steps):
                 if seg.has_grad:
                     norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
@@ -291,48 +357,33 @@ class DecentralizedMixin:
     def _param_list(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _slot_of(self):
-        return {id(s.param): (b, i) for b in self._buckets for i, s in enumerate(b.slots)}
-
     def _optimizer_state_dict(self) -> dict:
-        """torch.optim's state_dict over per-parameter views of the flat state (fused optimizers)."""
-        slot_of = self._slot_of()
-        for p in self._param_list():
-            b, i = slot_of[id(p)]
-            if b.steps[i] > 0:  # torch.optim semantics: state only for parameters that were updated
-                st = self.state[p]
-                for name in b.state:
-                    st[name] = b.view(b.state[name], b.slots[i])
-                st["step"] = torch.tensor(float(b.steps[i]))
+        """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
         return super().state_dict()
 
     def _load_optimizer_state_dict(self, state_dict: dict):
         saved_state = state_dict.get("state", {})
+        # As torch.optim: the saved groups' "params" (indices, or FQNs from torch.distributed.checkpoint) name the
+        # current parameters by position.
+        saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
+        param_of = dict(zip(saved_ids, self._param_list()))
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        slot_of = self._slot_of()
-        with torch.no_grad():
-            for idx, p in enumerate(self._param_list()):
-                st = saved_state.get(idx, saved_state.get(str(idx)))
-                if not st:
-                    continue
-                b, i = slot_of[id(p)]
-                for name, value in st.items():
-                    if name == "step":
-                        b.steps[i] = int(value)
-                        continue
-                    view = b.view(b.state_buffer(name), b.slots[i])
-                    view.copy_(value)
-                    self.state[p][name] = view
+        load_state(self._buckets, saved_state, param_of, self.state)
 
     def state_dict(self):
         self.synchronize()
         sd = self._optimizer_state_dict()
-        sd["decentralized"] = self._schedule.state_dict()
+        # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
+        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
+        sd["param_groups"][0]["decentralized"] = self._schedule.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
+        groups = [dict(g) for g in state_dict["param_groups"]]
         extra = state_dict.pop("decentralized", None)
+        extra = groups[0].pop("decentralized", extra) if groups else extra
+        state_dict["param_groups"] = groups
         self._load_optimizer_state_dict(state_dict)
         self._schedule.load_state_dict(extra)
 

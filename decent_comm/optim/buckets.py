@@ -6,6 +6,7 @@ Parameters of one param group, device and dtype are laid out back to back in fla
 same layout, exposed per parameter as views (so torch.optim's state_dict machinery sees per-param state).
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -36,7 +37,14 @@ class Bucket:
     flat: torch.Tensor = None                    # the parameters
     grad: torch.Tensor = None                    # the gradients
     state: Dict[str, torch.Tensor] = field(default_factory=dict)  # float32 optimizer state
-    steps: List[int] = field(default_factory=list)  # per slot: optimizer steps taken (torch's state["step"])
+    # Per slot: optimizer steps taken. A float32 CPU tensor, like torch's state["step"]: opt.state[p]["step"]
+    # is a view of its entry, so what torch.optim tools read and write is what the kernels use.
+    step_count: torch.Tensor = None
+    published: List[bool] = field(default_factory=list)  # per slot: opt.state[p] holds its views
+
+    @property
+    def steps(self) -> List[int]:
+        return [int(v) for v in self.step_count.tolist()]
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         return flat[slot.offset: slot.offset + slot.numel].view_as(slot.param)
@@ -59,8 +67,9 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
     """Assigns every parameter to a bucket (one param group, device and dtype per bucket, in parameter
     order) and moves it into the bucket's flat buffers. Parameter order is kept, so buckets follow the
     order in which a model's modules use them (model.parameters() order)."""
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
+            not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     cap_bytes = int(bucket_cap_mb * 2**20)
     buckets: List[Bucket] = []
     seen = set()
@@ -86,7 +95,8 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
             b.numel += size
     for b in buckets:
         _materialize(b)
-        b.steps = [0] * len(b.slots)
+        b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
+        b.published = [False] * len(b.slots)
     return buckets
 
 
@@ -114,22 +124,37 @@ class Segment:
     step: int
 
 
-def gather_grads(b: Bucket) -> None:
+def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
     """Makes the flat gradient buffer hold every parameter's current .grad.
 
     A .grad that is already our view costs nothing; one that user code replaced (or that autograd
-    allocated after zero_grad(set_to_none=True)) is copied in, and .grad is pointed back at the view.
+    allocated after zero_grad(set_to_none=True)) is copied in, and .grad is pointed back at the view. A sparse
+    gradient is densified when `sparse_ok` (the update is the same as from its dense form), else refused.
+    A parameter whose storage is no longer its bucket's (model.to(dtype/device) after the optimizer was
+    built) is refused with what to do: its updates would go to a buffer the model no longer reads.
     """
     with torch.no_grad():
-        for s in b.slots:
+        for i, s in enumerate(b.slots):
+            view = b.view(b.flat, s)
+            if s.param.data_ptr() != view.data_ptr() or s.param.dtype != b.dtype:
+                raise RuntimeError(
+                    f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(s.param.shape)}) is now "
+                    f"{s.param.dtype} on {s.param.device}, no longer a view of the optimizer's {b.dtype} buffer on "
+                    f"{b.device}: the model was converted or moved (model.to(...), .cuda(), .half()) after the "
+                    "optimizer was built. Build the optimizer after moving the model (as with DDP), or build a new "
+                    "one and load the old one's state_dict().")
             g = s.param.grad
             if g is None:
                 continue
             view = b.view(b.grad, s)
-            if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
-                continue
             if g.is_sparse:
-                raise RuntimeError("sparse gradients are not supported by decentralized optimizers")
+                if not sparse_ok:
+                    raise RuntimeError(f"decent_comm: this optimizer does not support sparse gradients (parameter {i}"
+                                       f" of bucket {b.index}, shape {tuple(s.param.shape)}), as torch.optim.Adam(W) "
+                                       "does not; use dense gradients (e.g. nn.Embedding(sparse=False)) or DSGD")
+                g = g.to_dense()
+            elif g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
+                continue
             if g.shape != s.param.shape:
                 raise RuntimeError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
                                    f"{tuple(s.param.shape)}")
@@ -169,6 +194,54 @@ def zero_grads(b: Bucket, set_to_none: bool) -> None:
         for s in b.slots:
             if s.param.grad is not None:
                 s.param.grad = b.view(b.grad, s)
+
+
+def count_steps(b: Bucket) -> None:
+    """One optimizer step was taken for every parameter of `b` that has a gradient."""
+    has = [s.param.grad is not None for s in b.slots]
+    if all(has):
+        b.step_count.add_(1)
+    else:
+        b.step_count.add_(torch.tensor(has, dtype=torch.float32))
+
+
+def publish_state(b: Bucket, state, include_unstepped: bool = False) -> None:
+    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`): views
+    of the bucket's flat state buffers and of its step count (torch.optim semantics: no state before a
+    parameter's first update)."""
+    if all(b.published):
+        return
+    for i, s in enumerate(b.slots):
+        if not b.published[i] and (include_unstepped or b.step_count[i] > 0):
+            st = state[s.param]
+            for name, buf in b.state.items():
+                st[name] = b.view(buf, s)
+            st["step"] = b.step_count[i]
+            b.published[i] = True
+
+
+@torch.no_grad()
+def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state) -> None:
+    """Copies a torch.optim state_dict's per-parameter state into the flat buffers. `param_of`: saved key (an
+    index, or an FQN from torch.distributed.checkpoint) -> the parameter it names."""
+    slot_of = find_bucket_of(buckets)
+    for b in buckets:
+        b.step_count.zero_()
+        b.published = [False] * len(b.slots)
+    for key, st in saved_state.items():
+        p = param_of.get(key)
+        if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
+            p = param_of.get(int(key))
+        if p is None or not st:
+            continue
+        b, i = slot_of[id(p)]
+        for name, value in st.items():
+            if name == "step":
+                b.step_count[i] = float(value)
+            elif value is not None:
+                b.view(b.state_buffer(name), b.slots[i]).copy_(value)
+    for b in buckets:
+        publish_state(b, state)
 
 
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:

@@ -11,7 +11,8 @@ from .base import DecentralizedMixin
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
-                               track_disagreement=False, exchange="auto")
+                               track_disagreement=False, exchange="auto", check_finite=False,
+                               gossip_every=1, warmup_steps=0)
 _DOC_OPTIONS = """
     Decentralized options (keyword-only):
         topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
@@ -27,7 +28,8 @@ _DOC_OPTIONS = """
         consensus: DSGD-AC factor a (W -> (1-a) I + a W): a number, a callable of the step, or a schedule
             object such as decent_comm.AdaptiveConsensus.
         model: the module the parameters belong to; in ATC mode its forward pre-hooks apply each bucket's mix
-            just before the first module using it runs.
+            just before the first module using it runs. Without it a global forward pre-hook finds the modules
+            that run; a bucket no running module holds is mixed at the end of step(). ATC is exact either way.
         broadcast_init: start all replicas from rank 0's parameters.
         timeout: seconds a peer may take before step() raises (default: the process group's timeout).
         track_disagreement: have the fused kernels also compute, in the same pass, each rank's squared distance
@@ -37,6 +39,15 @@ _DOC_OPTIONS = """
         exchange: "auto" runs every step whose mixing is uniform averaging within groups of >= 3 ranks
             (complete, intra-node averaging, aer with inter="pair", ...) as one all-reduce per group, which moves
             fewer bytes than point-to-point gossip; "p2p" never does (see decent_comm.optim.plan.GroupSteps).
+        gossip_every: gossip every k-th step only, with local steps between (a communication interval, as
+            torch's PeriodicModelAverager's period or Bagua's communication_interval); the r-th gossiping step uses
+            the topology's step r (and an Adaptive topology decides per gossip round).
+        warmup_steps: all-reduce the gradients for the first steps instead of gossiping (torch's
+            PostLocalSGDOptimizer warm-up: the replicas start identical and stay so, DDP's update), then gossip.
+            Steps count from 0; gossip_every applies from warmup_steps on.
+        check_finite: raise, naming the rank, the step and the bucket, when a rank's parameters become non-finite
+            (checked before they are sent) or a neighbour's arrive non-finite, instead of letting a NaN spread
+            through the gossip silently. Costs a device sync per bucket and step: for debugging.
 """
 
 
@@ -73,6 +84,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
 
 class DSGD(DecentralizedMixin, torch.optim.Optimizer):
     __doc__ = "Decentralized torch.optim.SGD (momentum, dampening, nesterov, weight_decay as torch)." + _DOC_OPTIONS
+    _sparse_grads_ok = True
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
                  foreach=None, differentiable=False, fused=None, **decentralized):
@@ -86,6 +98,9 @@ class DSGD(DecentralizedMixin, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                                           weight_decay=weight_decay, nesterov=nesterov))
         self._init_decentralized(**opts)
+
+    def _state_names(self, group):
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         momentum = group["momentum"]
@@ -108,6 +123,9 @@ class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq"]
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         beta1, beta2 = group["betas"]
@@ -138,6 +156,9 @@ class AccumAdam(_AdamBase):
             raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, _extra_defaults=dict(accum_steps=int(accum_steps)),
                          **kw)
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq", "accum"]
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
         beta1, beta2 = group["betas"]

@@ -41,6 +41,33 @@ class MixPlan:
         return 1 if self.group is not None else len(self.recv)
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """When the optimizer communicates, as torch's PostLocalSGDOptimizer / PeriodicModelAverager and Bagua's
+    communication interval: the first `warmup_steps` steps all-reduce the gradients (DDP's update: the replicas
+    stay identical), then every `gossip_every`-th step gossips and the steps between are local. Gossip round r
+    (the r-th gossiping step) uses the topology's step r, so a time-varying graph keeps cycling through its
+    peers whatever the interval."""
+
+    gossip_every: int = 1
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        for name, low in (("gossip_every", 1), ("warmup_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    def in_warmup(self, step: int) -> bool:
+        return step < self.warmup_steps
+
+    def round_of(self, step: int) -> Optional[int]:
+        """The gossip round of optimizer step `step`, or None for a warm-up or local step."""
+        if step < self.warmup_steps or (step - self.warmup_steps) % self.gossip_every:
+            return None
+        return (step - self.warmup_steps) // self.gossip_every
+
+
 def consensus_factor(consensus, step: int, lr: float) -> float:
     """a(t) of DSGD-AC: a number, a callable of the step, or a schedule object with factor(step, lr)."""
     if hasattr(consensus, "factor"):
@@ -116,13 +143,17 @@ class GroupSteps:
         return total / (world_size * len(steps))
 
 
-def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optional[GroupSteps] = None) -> MixPlan:
+def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optional[GroupSteps] = None,
+             topo_step: Optional[int] = None) -> MixPlan:
+    """The plan of optimizer step `step`, which mixes with the topology's step `topo_step` (default: `step`;
+    the gossip round under a Cadence)."""
+    topo_step = step if topo_step is None else topo_step
     if a == 0.0 or topology.world_size == 1:
         return MixPlan(step, 1.0, [], [], [], a)
-    group = groups.group_of(step) if groups is not None else None
+    group = groups.group_of(topo_step) if groups is not None else None
     if group is not None:
         return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group)
-    peers = topology.peers(rank, step)
+    peers = topology.peers(rank, topo_step)
     recv = [r for r, _ in peers.recv]
     weights = [a * w for _, w in peers.recv]
     return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a)

@@ -9,7 +9,9 @@ disagreement of each mix, and saves / restores where the schedule stands. It com
     t         steps taken (the topology phase)            inflight  the plan whose exchange was launched last
     awc: step t waits for the exchange of x^t launched at the end of step t - 1, mixes it inside the fused
          update, then launches the exchange of x^{t+1}.
-    atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending.
+    atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending: forward
+         pre-hooks apply it just before the first module using each bucket runs; a bucket no hook covers is
+         mixed at the end of the step.
 """
 
 import logging
@@ -23,7 +25,9 @@ from ..exchange import GossipExchange
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
-from .plan import GroupSteps, MixPlan, consensus_factor, mix_plan
+from .mix_hooks import MixBeforeUse
+from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .tracing import traced
 
 log = logging.getLogger("decent_comm")
 
@@ -33,7 +37,7 @@ MODES = ("awc", "atc")
 class GossipSchedule:
     def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
                  lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
-                 track_disagreement: bool = False):
+                 track_disagreement: bool = False, check_finite: bool = False, cadence: Cadence = Cadence()):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.buckets = buckets
@@ -45,13 +49,15 @@ class GossipSchedule:
         self._lr = lr
         consensus_factor(consensus, 0, lr())  # validate early
         self.comm_dtype = comm_dtype
+        self.check_finite = bool(check_finite)
+        self.cadence = cadence
         self.t = 0                       # optimizer steps taken (the topology phase)
         self.inflight: Optional[MixPlan] = None  # awc: the plan of x^t; atc: of x^{t+1/2}
         self.pending = set()             # atc: buckets received but not yet mixed
         self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
         self._resume_factor = None       # consensus factor of step t restored from a checkpoint
         self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
-        self._hooks = []
+        self._hooks = None               # atc: MixBeforeUse
         self.device = buckets[0].device if buckets else torch.device("cpu")
         self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
         if self.groups is not None and process_group is not None and \
@@ -74,7 +80,10 @@ class GossipSchedule:
     # ------------------------------------------------------------------------------------------ planning
 
     def plan(self, step: int) -> MixPlan:
-        if self.adaptive is not None and self.adaptive.decide(step):
+        r = self.cadence.round_of(step)
+        if r is None:  # a warm-up (gradient all-reduce) or local step
+            return MixPlan(step, 1.0, [], [], [], 1.0)
+        if self.adaptive is not None and self.adaptive.decide(r):
             self._trim_recv_buffers()
         # After a resume, the factor the interrupted run had already chosen for this step (from the lr in
         # effect when it launched the exchange) keeps the trajectory identical.
@@ -82,14 +91,34 @@ class GossipSchedule:
             a, self._resume_factor = self._resume_factor, None
         else:
             a = consensus_factor(self.consensus, step, self._lr())
-        return mix_plan(self.topology, self.rank, step, a, self.groups)
+        return mix_plan(self.topology, self.rank, step, a, self.groups, topo_step=r)
 
     def wants_step_sq(self, decision_step: int) -> bool:
-        return self.adaptive is not None and self.adaptive.wants_step_sq(decision_step)
+        r = self.cadence.round_of(decision_step)
+        return self.adaptive is not None and r is not None and self.adaptive.wants_step_sq(r)
 
     def record_step_sq(self, value: Optional[torch.Tensor]):
         if self.adaptive is not None and value is not None:
             self.adaptive.record_step_sq(value)
+
+    def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None) -> bool:
+        """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
+        identical). A blocking all-reduce per bucket, plus one of `found_inf` so every rank skips an overflow
+        together. Returns whether this step is a warm-up step."""
+        if not self.cadence.in_warmup(step):
+            return False
+        if self.world_size > 1:
+            self._allreduce_gradients(found_inf)
+        return True
+
+    @traced("warmup_allreduce")
+    @torch.no_grad()
+    def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
+        for b in self.buckets:
+            dist.all_reduce(b.grad, group=self.process_group)
+            b.grad.div_(self.world_size)
+        if found_inf is not None:
+            dist.all_reduce(found_inf, group=self.process_group)
 
     # -------------------------------------------------------------------------------------- communication
 
@@ -99,9 +128,12 @@ class GossipSchedule:
             bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
         return bufs[:k]
 
+    @traced("exchange_launch")
     @torch.no_grad()
-    def launch(self, plan: MixPlan):
-        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks)."""
+    def launch(self, plan: MixPlan, made_by: Optional[int] = None):
+        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
+        `made_by`: the optimizer step whose update produced the buffers (for check_finite's message)."""
+        bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
@@ -110,12 +142,25 @@ class GossipSchedule:
                 else:
                     self.exchange.exchange(b.index, b.flat, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
+        if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
+            when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
+            raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
+                               f"{when} (check_finite=True; steps count from 0)")
 
+    @traced("exchange_wait")
     def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
         if self.exchange is not None and not plan.silent:
             self.exchange.wait(b.index)
-        return self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        bufs = self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        if self.check_finite:
+            for k, y in enumerate(bufs):
+                if not torch.isfinite(y).all():
+                    who = f"the all-reduce among ranks {list(plan.group)}" if plan.group is not None else \
+                        f"rank {plan.recv[k]}"
+                    raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
+                                       f"non-finite values from {who} (check_finite=True)")
+        return bufs
 
     def awc_plan(self) -> MixPlan:
         """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""
@@ -128,16 +173,20 @@ class GossipSchedule:
     def finish_step(self):
         """awc: step t is done; launch the exchange of x^{t+1}."""
         self.t += 1
-        self.launch(self.plan(self.t))
+        self.launch(self.plan(self.t), made_by=self.t - 1)
 
     def atc_launch(self):
         """atc: the local update of step t is done; exchange x^{t+1/2} and leave its mix pending."""
         plan = self.plan(self.t)
-        self.launch(plan)
+        self.launch(plan, made_by=self.t)
+        self.t += 1
         if plan.mixes:
             self.pending = {b.index for b in self.buckets}
             self._fresh = True
-        self.t += 1
+            # A bucket no forward pre-hook will mix before its first use is mixed now, or the next gradient
+            # would be taken at the unmixed point (another algorithm).
+            deferred = self._hooks.deferrable() if self._hooks is not None else set()
+            self.mix_pending(sorted(self.pending - deferred))
 
     # ------------------------------------------------------------------------------------- mixing (atc)
 
@@ -153,6 +202,7 @@ class GossipSchedule:
         if self.adaptive is not None:
             self.adaptive.observe_mix(plan, self.meter.total())
 
+    @traced("atc_mix")
     @torch.no_grad()
     def mix_pending(self, bucket_ids=None):
         """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
@@ -171,19 +221,9 @@ class GossipSchedule:
         if ids and not self.pending:
             self.end_mix(plan)
 
-    def attach(self, model: torch.nn.Module):
-        """ATC: forward pre-hooks on `model`'s modules mix each bucket before the first module using it runs."""
-        where = {id(s.param): b.index for b in self.buckets for s in b.slots}
-        for module in model.modules():
-            ids = sorted({where[id(p)] for p in module.parameters(recurse=False) if id(p) in where})
-            if ids:
-                self._hooks.append(module.register_forward_pre_hook(self._make_hook(ids)))
-
-    def _make_hook(self, bucket_ids):
-        def hook(module, args):
-            if self.pending:
-                self.mix_pending(bucket_ids)
-        return hook
+    def attach(self, model=None):
+        """ATC: mix each bucket just before the first module using it runs (see mix_hooks.MixBeforeUse)."""
+        self._hooks = MixBeforeUse(self, model)
 
     # ------------------------------------------------------------------------------------------ completion
 
@@ -216,9 +256,9 @@ class GossipSchedule:
         return self.exchange.bytes_sent if self.exchange is not None else 0
 
     def shutdown(self):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         if self.exchange is not None:
             self.exchange.shutdown()
             self.exchange = None
@@ -229,6 +269,7 @@ class GossipSchedule:
         # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
         nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
+                    gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
@@ -236,6 +277,16 @@ class GossipSchedule:
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
         if extra is not None:
+            for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
+                if key in extra and extra[key] != mine:
+                    raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
+                                     " every rank loads its own state_dict (its optimizer state and where the gossip "
+                                     "schedule stands). To start a schedule afresh from another rank's moments, drop "
+                                     "the 'decentralized' entry before loading.")
+            for key in ("gossip_every", "warmup_steps"):
+                if key in extra and extra[key] != getattr(self.cadence, key):
+                    raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
+                                     f"{key}={getattr(self.cadence, key)}")
             if extra["topology"] != self.topology.fingerprint():
                 raise ValueError("the checkpoint was written with another topology (fingerprint "
                                  f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")

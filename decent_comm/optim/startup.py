@@ -2,11 +2,16 @@
 (from a name, a Topology or matrices, with ranks-per-node read here from torchrun's environment), and the
 start-up checks that every rank holds the same replica and configuration."""
 
+import datetime
+import math
 import os
+import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
 
@@ -18,6 +23,19 @@ def distributed_context(process_group):
             raise RuntimeError("a process_group was given but torch.distributed is not initialized")
         return 0, 1
     return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def check_options(*, timeout, comm_dtype):
+    """Options that are only used once there are peers, checked at any world size (a script that works on one
+    rank must not fail on the first multi-rank run)."""
+    if timeout is not None:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        raise ValueError(f"comm_dtype must be None or a floating-point torch.dtype (e.g. torch.bfloat16), "
+                         f"got {comm_dtype!r}")
 
 
 def local_world_size_from_env(world_size: int):
@@ -44,7 +62,7 @@ def resolve_topology(topology, world_size: int):
         if topology.bound and topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
                              f"has {world_size}")
-        return topology.bind(world_size)
+        return topology.bind(world_size, local_world_size_from_env(world_size))
     if isinstance(topology, topo_mod.Topology):
         if topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
@@ -63,29 +81,60 @@ def resolve_topology(topology, world_size: int):
                     f"matrix / list of matrices; got {type(topology).__name__}")
 
 
-def verify_replicas(buckets, topology, mode, optimizer_name, process_group, world_size):
-    """Every rank must hold the same parameter shapes/dtypes and topology; report who differs."""
-    mine = dict(
-        params=[(tuple(s.param.shape), str(s.param.dtype)) for b in buckets for s in b.slots],
-        fingerprint=topology.fingerprint(), mode=mode, optimizer=optimizer_name,
-    )
+def _plain(value):
+    """A picklable, comparable stand-in for a configuration value."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if callable(value) and not hasattr(value, "factor"):
+        return f"callable {getattr(value, '__qualname__', type(value).__name__)}"  # behaviour cannot be compared
+    return repr(value)
+
+
+def replica_config(buckets, topology, param_groups, **options) -> dict:
+    """Everything every rank must agree on, in the order a mismatch is reported: what shapes the bytes on the
+    wire (parameters, bucket layout, wire dtype, exchange), and what changes the math (optimizer and its
+    hyper-parameters, mode, topology, consensus). `options`: name -> value of the optimizer's other settings."""
+    config = {"parameter": [(tuple(s.param.shape), str(s.param.dtype)) for b in buckets for s in b.slots]}
+    config.update({name: _plain(value) for name, value in options.items()})
+    config["topology fingerprint"] = topology.fingerprint()
+    config["bucket"] = [(b.numel, str(b.dtype), b.device.type) for b in buckets]  # follows from the above
+    config["param group"] = [_plain({k: v for k, v in g.items() if k != "params"}) for g in param_groups]
+    return config
+
+
+def _difference(name, mine, ref) -> str:
+    if isinstance(mine, list) and isinstance(ref, list):
+        if len(mine) != len(ref):
+            return f"{len(mine)} {name}s but rank 0 has {len(ref)}"
+        i = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
+        if isinstance(mine[i], dict) and isinstance(ref[i], dict):
+            key = next(k for k in sorted(set(mine[i]) | set(ref[i])) if mine[i].get(k) != ref[i].get(k))
+            return f"{name} {i} has {key}={mine[i].get(key)!r} but on rank 0 {key}={ref[i].get(key)!r}"
+        return f"{name} {i} is {mine[i]} but on rank 0 it is {ref[i]}"
+    if name == "topology fingerprint":
+        return f"topology fingerprint {mine} differs from rank 0's {ref}"
+    return f"{name} is {mine!r} but on rank 0 it is {ref!r}"
+
+
+def verify_replicas(config: dict, process_group, world_size: int):
+    """Every rank gathers every rank's `config` (replica_config) and raises the same error naming the first
+    rank and the first option that differ from rank 0, so no rank goes on to exchange mismatched buffers."""
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=process_group)
+    dist.all_gather_object(everyone, config, group=process_group)
     ref = everyone[0]
     for r, other in enumerate(everyone):
-        if other == ref:
-            continue
-        if len(other["params"]) != len(ref["params"]):
-            what = f"{len(other['params'])} parameters but rank 0 has {len(ref['params'])}"
-        elif other["params"] != ref["params"]:
-            i = next(i for i, (a, b) in enumerate(zip(other["params"], ref["params"])) if a != b)
-            what = f"parameter {i} is {other['params'][i]} but on rank 0 it is {ref['params'][i]}"
-        elif other["fingerprint"] != ref["fingerprint"]:
-            what = f"topology fingerprint {other['fingerprint']} differs from rank 0's {ref['fingerprint']}"
-        else:
-            what = f"optimizer/mode {other['optimizer']}/{other['mode']} differs from rank 0's " \
-                   f"{ref['optimizer']}/{ref['mode']}"
-        raise RuntimeError(f"decent_comm: replicas disagree: rank {r}: {what}")
+        for name, value in other.items():
+            if value != ref.get(name):
+                raise RuntimeError(f"decent_comm: replicas disagree: rank {r}: {_difference(name, value, ref.get(name))}"
+                                   " (every rank must build the optimizer with the same parameters and options)")
 
 
 @torch.no_grad()
@@ -93,3 +142,29 @@ def broadcast_from_rank0(buckets, process_group):
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     for b in buckets:
         dist.broadcast(b.flat, src=src, group=process_group)
+
+
+_DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, which all-reduces every gradient while "
+                "the decentralized optimizer gossips the parameters: both would run. Drop the DDP wrap (and "
+                "`.module`) and give the optimizer the plain model's parameters.")
+
+
+class DDPGuard:
+    """Refuses a model left wrapped in DDP: at construction when it is passed as `model=`, else at its first
+    forward (a global forward pre-hook, removed at the optimizer's first step() or with the optimizer)."""
+
+    def __init__(self, owner, buckets, model=None):
+        self._ours = {id(s.param) for b in buckets for s in b.slots}
+        if isinstance(model, DistributedDataParallel):
+            raise RuntimeError(_DDP_MESSAGE)
+        self._handle = register_module_forward_pre_hook(self._hook)
+        weakref.finalize(owner, self._handle.remove)
+
+    def _hook(self, module, args):
+        if isinstance(module, DistributedDataParallel) and any(id(p) in self._ours for p in module.parameters()):
+            raise RuntimeError(_DDP_MESSAGE)
+
+    def remove(self):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -1,12 +1,15 @@
 """decent_comm.Decentralized: makes any torch.optim optimizer decentralized (unfused; correctness over
 speed). The inner optimizer computes the local update; the shared gossip schedule mixes around it."""
 
+from collections import OrderedDict
+
 import torch
 
 from .. import ops
 from .adaptation import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
+from .tracing import traced
 
 
 class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
@@ -18,6 +21,8 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     Param groups, lr schedulers (pass this object or the inner one) and state_dict work as usual.
     """
 
+    _sparse_grads_ok = True  # the wrapped optimizer sees the dense gradient views
+
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
@@ -28,18 +33,25 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         self.defaults = inner.defaults
         self.param_groups = inner.param_groups
         self.state = inner.state
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-        self._zero_grad_profile_name = "Optimizer.zero_grad#Decentralized.zero_grad"
+        # What torch.optim.Optimizer.__init__ sets up besides the groups: hook tables (OrderedDicts, which the
+        # hooks' RemovableHandles reference weakly) and the step wrapper that runs the step hooks.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
         self._init_decentralized(**opts)
 
     def __repr__(self):
         return f"Decentralized({self.inner!r}, topology={self.topology.name!r}, mode={self.mode!r})"
 
+    def _optimizer_name(self) -> str:
+        return f"Decentralized({type(self.inner).__name__})"
+
+    @traced("mix_update")
     def _update_awc(self, plan, skip_update: bool, measure: bool):
         """mix(x^t) - x^t per bucket, then the inner step at x^t, then the mix added on top."""
         deltas = []
@@ -55,15 +67,33 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             b.flat.add_(delta)
         return step_sq
 
+    def _closure_for_inner(self) -> bool:
+        return True
+
+    def _initialize_state(self):
+        self.inner.step()  # the wrapped optimizer initializes its own state (torch semantics), without gossip
+
+    @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:
-            self.inner.step()
+            self._closure_loss = self.inner.step(self._closure) if self._closure is not None else self.inner.step()
 
     def _optimizer_state_dict(self) -> dict:
-        return self.inner.state_dict()
+        # torch runs an optimizer's state_dict hooks inside its own state_dict(): the inner one runs the inner
+        # optimizer's, these are the ones registered on this wrapper.
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = self.inner.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            sd = hook(self, sd) or sd
+        return sd
 
     def _load_optimizer_state_dict(self, state_dict: dict):
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         self.inner.load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
         # torch's load_state_dict replaces the inner optimizer's param_groups (and state) by new objects: share
         # them again, or an lr scheduler attached to this wrapper would update groups the inner step never reads
         self.param_groups = self.inner.param_groups

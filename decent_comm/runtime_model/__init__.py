@@ -19,13 +19,18 @@ All-Reduce communication), ``sigma^2`` (compute variance / mean^2).
 * ``simulate(cluster, workload, topology) -> SimResult`` and
   ``simulate_allreduce``: discrete-event simulation of the exact schedule.
 * ``plan(cluster, workload, topologies) -> Plan``: all candidates and a recommendation.
-* ``units``: parsing "25Gbit", "65M", "120ms"; ``measure``: local timing
-  for ``plan --measure`` (imports torch lazily).
+* ``units``: parsing "25Gbit", "65M", "120ms".
+
+It predicts only: measured numbers (``plan --measure`` times a model and
+probes links in ``decent_comm.cli.measure``) come in as data, e.g.
+``ComputeTime.from_sample``.  Built-in schedules are read as numpy arrays
+(``messages``), so 100,000 ranks plan in seconds; at most
+``hardware.MAX_WORLD_SIZE`` ranks.
 
 See docs/runtime_model_paper.md for the comparison with the paper and the
 closed-form-vs-simulator agreement.
 
-Pure Python + numpy; the compiled extension is not needed.
+Pure Python + numpy (no torch); the compiled extension is not needed.
 """
 from .allreduce import AllReduceCost, allreduce_cost
 from .closed_form import Prediction, predict, predict_allreduce, predict_gossip

@@ -74,8 +74,7 @@ import math
 
 import numpy as np
 
-from ..topology.analysis import averaging_groups
-from .loads import schedule_links
+from .loads import schedule_of
 from .stragglers import expected_max_normal
 from .workload import AUTO_MIN_GROUP
 
@@ -107,52 +106,54 @@ class StepComm:
     port_seconds: np.ndarray = None
 
 
-def group_costs(cluster, B: float, groups) -> list:
-    """``[(ranks, c_g), ...]`` for the multi-rank ``groups`` of one step (formula in the module docstring)."""
-    L = cluster.ranks_per_node
-    node_bw = cluster.node_bandwidths()
-    spans = [(g, sorted({r // L for r in g})) for g in groups if len(g) > 1]
-    share = {}
-    for _, nodes in spans:
-        if len(nodes) > 1:
-            for u in nodes:
-                share[u] = share.get(u, 0) + 1
-    out = []
-    for g, nodes in spans:
-        Ng = len(nodes)
-        Lg = max(sum(1 for r in g if r // L == u) for u in nodes)
-        c = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth + 2.0 * (Lg - 1) * cluster.intra_latency
-        if Ng > 1:
-            q = max(share[u] for u in nodes)
-            bw = min(node_bw[u] for u in nodes)
-            c += 2.0 * (Ng - 1) / Ng * B * q / bw + 2.0 * (Ng - 1) * cluster.inter_latency
-        out.append((np.asarray(g, dtype=np.int64), c))
-    return out
+@dataclasses.dataclass(frozen=True)
+class GroupCosts:
+    """The multi-rank groups of one step run as all-reduces (formula in the module docstring).
+
+    ``members`` (concatenated, group by group), ``sizes``, ``starts`` (each group's slice of
+    ``members``); per group: ``cost`` (``c_g``), ``nic`` / ``port`` (the bandwidth terms: what one NIC
+    direction / one rank's port carries for it), ``multi_node`` (spans several nodes), ``min_bw``
+    (its slowest NIC); ``node_group`` / ``node`` list every (group, node) it spans.
+    """
+
+    members: np.ndarray
+    sizes: np.ndarray
+    starts: np.ndarray
+    cost: np.ndarray
+    nic: np.ndarray
+    port: np.ndarray
+    multi_node: np.ndarray
+    min_bw: np.ndarray
+    node_group: np.ndarray
+    node: np.ndarray
 
 
-def group_link_loads(cluster, B: float, groups) -> list:
-    """``[(nic_seconds, port_seconds), ...]`` per multi-rank group: the bandwidth terms of ``c_g``
-    (what one NIC direction / one rank's port carries for it), same order as ``group_costs``."""
-    L = cluster.ranks_per_node
-    node_bw = cluster.node_bandwidths()
-    multi = [g for g in groups if len(g) > 1]
-    share = {}
-    for g in multi:
-        nodes = {r // L for r in g}
-        if len(nodes) > 1:
-            for u in nodes:
-                share[u] = share.get(u, 0) + 1
-    out = []
-    for g in multi:
-        nodes = sorted({r // L for r in g})
-        Ng = len(nodes)
-        Lg = max(sum(1 for r in g if r // L == u) for u in nodes)
-        port = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth
-        nic = 0.0
-        if Ng > 1:
-            nic = 2.0 * (Ng - 1) / Ng * B * max(share[u] for u in nodes) / min(node_bw[u] for u in nodes)
-        out.append((nic, port))
-    return out
+def group_costs(cluster, B: float, members, sizes) -> GroupCosts:
+    """``GroupCosts`` of the groups ``(members, sizes)`` of one step (singletons dropped)."""
+    L, N = cluster.ranks_per_node, cluster.nodes
+    node_bw = np.asarray(cluster.node_bandwidths(), dtype=np.float64)
+    gid = np.repeat(np.arange(sizes.size), sizes)
+    keep = sizes[gid] > 1
+    members, sizes = members[keep], sizes[sizes > 1]
+    G = sizes.size
+    gid = np.repeat(np.arange(G), sizes)
+    key, count = np.unique(gid * N + members // L, return_counts=True)
+    kg, ku = key // N, key % N                      # every (group, node) pair the groups span
+    Ng = np.bincount(kg, minlength=G)
+    Lg = np.zeros(G, dtype=np.int64)
+    np.maximum.at(Lg, kg, count)
+    multi = Ng > 1
+    share = np.bincount(ku[multi[kg]], minlength=N)  # multi-node groups on each node
+    q = np.zeros(G, dtype=np.int64)
+    np.maximum.at(q, kg, share[ku])
+    bw = np.full(G, np.inf)
+    np.minimum.at(bw, kg, node_bw[ku])
+    port = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth
+    cost = port + 2.0 * (Lg - 1) * cluster.intra_latency
+    with np.errstate(invalid="ignore", divide="ignore"):
+        nic = np.where(multi, 2.0 * (Ng - 1) / Ng * B * q / bw, 0.0)
+    cost = np.where(multi, cost + (nic + 2.0 * (Ng - 1) * cluster.inter_latency), cost)
+    return GroupCosts(members, sizes, np.cumsum(sizes) - sizes, cost, nic, port, multi, bw, kg, ku)
 
 
 def throughput_bound(mu: float, steps: list) -> float:
@@ -168,82 +169,90 @@ def throughput_bound(mu: float, steps: list) -> float:
 
 
 def workload_step_groups(workload, topology, step):
-    """The step's averaging groups when it runs as group all-reduces under ``workload.exchange``, else ``None``
-    (point to point): "group-allreduce" whenever the step is uniform averaging over groups, "auto" only when
-    one of its groups has at least ``AUTO_MIN_GROUP`` ranks (as the optimizers decide), "p2p" never."""
+    """The step's averaging groups ``(members, sizes)`` when it runs as group all-reduces under
+    ``workload.exchange``, else ``None`` (point to point): "group-allreduce" whenever the step is uniform
+    averaging over groups, "auto" only when one of its groups has at least ``AUTO_MIN_GROUP`` ranks (as the
+    optimizers decide), "p2p" never.  A group of ``s`` ranks gives each member ``s - 1`` senders, so "auto"
+    needs no group check on steps whose ranks have fewer than ``AUTO_MIN_GROUP - 1``."""
     if workload.exchange == "p2p":
         return None
-    cache = topology.__dict__.setdefault("_runtime_model_groups", {})
-    if step not in cache:
-        cache[step] = averaging_groups(topology, step)
-    groups = cache[step]
-    if groups is not None and workload.exchange == "auto" and max(len(g) for g in groups) < AUTO_MIN_GROUP:
+    table = schedule_of(topology).steps[step]
+    if workload.exchange == "auto" and table.links.max_indegree < AUTO_MIN_GROUP - 1:
+        return None
+    groups = table.groups
+    if groups is not None and workload.exchange == "auto" and groups[1].max() < AUTO_MIN_GROUP:
         return None
     return groups
+
+
+def _group_step(cluster, B: float, step: int, groups, indeg: int) -> StepComm:
+    n, N = cluster.world_size, cluster.nodes
+    gc = group_costs(cluster, B, *groups)
+    gid = np.repeat(np.arange(gc.sizes.size), gc.sizes)
+    D, port, nic = np.zeros(n), np.zeros(n), np.zeros(N)
+    D[gc.members] = gc.cost[gid]
+    port[gc.members] = gc.port[gid]
+    spans = gc.multi_node[gc.node_group]
+    np.maximum.at(nic, gc.node[spans], gc.nic[gc.node_group[spans]])
+    multi = gc.multi_node
+    with np.errstate(invalid="ignore"):  # an infinite NIC gives 0 s x inf = nan: left out (fmax)
+        node_load = np.fmax.reduce(gc.nic[multi] * gc.min_bw[multi], initial=0.0)
+    return StepComm(step=step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
+                    inter_seconds=float(gc.cost[multi].max(initial=0.0)),
+                    intra_seconds=float(gc.cost[~multi].max(initial=0.0)),
+                    max_node_inter_bytes=float(node_load),
+                    max_indegree=indeg, nic_seconds=nic, port_seconds=port)
+
+
+def _p2p_step(cluster, B: float, links) -> StepComm:
+    n, L = cluster.world_size, cluster.ranks_per_node
+    node_bw = np.asarray(cluster.node_bandwidths(), dtype=np.float64)
+    src, dst, inter = links.src, links.dst, links.inter
+    egress = links.node_egress * B / node_bw
+    ingress = links.node_ingress * B / node_bw
+    t_inter = cluster.inter_latency + np.maximum(egress[src // L], ingress[dst // L])
+    if cluster.intra_sharing == "pair":
+        t_intra = np.full(src.size, cluster.intra_latency + B / cluster.intra_bandwidth)
+    else:
+        busiest = np.maximum(links.rank_intra_send[src], links.rank_intra_recv[dst])
+        t_intra = cluster.intra_latency + busiest * B / cluster.intra_bandwidth
+    t_msg = np.where(inter, t_inter, t_intra)
+    D = np.zeros(n)
+    if src.size:
+        np.maximum.at(D, dst, t_msg)
+    node_load = np.maximum(links.node_egress, links.node_ingress) * B
+    if cluster.intra_sharing == "pair":
+        port = np.where((links.rank_intra_send + links.rank_intra_recv) > 0, B / cluster.intra_bandwidth, 0.0)
+    else:
+        port = np.maximum(links.rank_intra_send, links.rank_intra_recv) * B / cluster.intra_bandwidth
+    return StepComm(
+        step=links.step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
+        inter_seconds=float(t_msg[inter].max(initial=0.0)),
+        intra_seconds=float(t_msg[~inter].max(initial=0.0)),
+        max_node_inter_bytes=float(node_load.max(initial=0.0)), max_indegree=links.max_indegree,
+        nic_seconds=node_load / node_bw, port_seconds=port)
 
 
 def schedule_comm(cluster, workload, topology) -> list:
     """``StepComm`` for every step of ``topology``'s period (formulas in the module docstring)."""
     B = workload.bytes_per_rank
-    n, L = cluster.world_size, cluster.ranks_per_node
-    node_bw = np.asarray(cluster.node_bandwidths(), dtype=np.float64)
     out = []
-    for links in schedule_links(topology):
-        src, dst, inter = links.src, links.dst, links.inter
-        indeg = int(np.bincount(dst, minlength=n).max()) if dst.size else 0
-        groups = workload_step_groups(workload, topology, links.step)
-        if groups is not None:
-            D = np.zeros(n)
-            nic, port = np.zeros(cluster.nodes), np.zeros(n)
-            t_inter = t_intra = 0.0
-            node_load = 0.0
-            for (ranks, c), (nic_g, port_g) in zip(group_costs(cluster, B, groups),
-                                                   group_link_loads(cluster, B, groups)):
-                D[ranks] = c
-                nodes = sorted({r // L for r in ranks.tolist()})
-                port[ranks] = np.maximum(port[ranks], port_g)
-                if len(nodes) > 1:
-                    nic[nodes] = np.maximum(nic[nodes], nic_g)
-                    t_inter = max(t_inter, c)
-                    node_load = max(node_load, nic_g * float(np.min(node_bw[nodes])))
-                else:
-                    t_intra = max(t_intra, c)
-            out.append(StepComm(step=links.step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
-                                inter_seconds=t_inter, intra_seconds=t_intra, max_node_inter_bytes=node_load,
-                                max_indegree=indeg, nic_seconds=nic, port_seconds=port))
-            continue
-        egress = links.node_egress * B / node_bw
-        ingress = links.node_ingress * B / node_bw
-        t_inter = cluster.inter_latency + np.maximum(egress[src // L], ingress[dst // L])
-        if cluster.intra_sharing == "pair":
-            t_intra = np.full(src.size, cluster.intra_latency + B / cluster.intra_bandwidth)
+    for table in schedule_of(topology).steps:
+        groups = workload_step_groups(workload, topology, table.step)
+        if groups is None:
+            out.append(_p2p_step(cluster, B, table.message_links))
         else:
-            busiest = np.maximum(links.rank_intra_send[src], links.rank_intra_recv[dst])
-            t_intra = cluster.intra_latency + busiest * B / cluster.intra_bandwidth
-        t_msg = np.where(inter, t_inter, t_intra)
-        D = np.zeros(n)
-        if src.size:
-            np.maximum.at(D, dst, t_msg)
-        node_load = np.maximum(links.node_egress, links.node_ingress) * B
-        if cluster.intra_sharing == "pair":
-            port = np.where((links.rank_intra_send + links.rank_intra_recv) > 0, B / cluster.intra_bandwidth, 0.0)
-        else:
-            port = np.maximum(links.rank_intra_send, links.rank_intra_recv) * B / cluster.intra_bandwidth
-        out.append(StepComm(
-            step=links.step, rank_seconds=D, seconds=float(D.max(initial=0.0)),
-            inter_seconds=float(t_msg[inter].max(initial=0.0)),
-            intra_seconds=float(t_msg[~inter].max(initial=0.0)),
-            max_node_inter_bytes=float(node_load.max(initial=0.0)), max_indegree=indeg,
-            nic_seconds=node_load / node_bw, port_seconds=port))
+            out.append(_group_step(cluster, B, table.step, groups, table.links.max_indegree))
     return out
 
 
 def sync_set_size(topology, steps: list) -> float:
-    """``k = 1 + mean_t max indegree + 0.5 [period > 1]``, capped at n (1 without peers)."""
+    """``k = 1 + mean_t max indegree + 0.5 [period > 1]``, capped at n (1 without peers);
+    ``steps``: the ``StepComm`` of every step of the period."""
     degs = [s.max_indegree for s in steps]
     if max(degs, default=0) == 0:
         return 1.0
-    k = 1.0 + float(np.mean(degs)) + (0.5 if topology.period > 1 else 0.0)
+    k = 1.0 + float(np.mean(degs)) + (0.5 if len(steps) > 1 else 0.0)
     return min(k, float(topology.world_size))
 
 

@@ -30,6 +30,9 @@ import dataclasses
 import math
 
 INTRA_SHARING = ("rank", "pair")
+#: The most ranks the model takes (2^18): its tables are numpy arrays of ranks x peers per step; planning
+#: 262,144 ranks with the default candidates took 20 s of CPU and 2.2 GB here (100,000 ranks: 14 s, 1.2 GB).
+MAX_WORLD_SIZE = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,9 @@ class ClusterConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.nodes * self.ranks_per_node > MAX_WORLD_SIZE:
+            raise ValueError(f"nodes x ranks_per_node = {self.nodes * self.ranks_per_node} ranks; the model takes at"
+                             f" most {MAX_WORLD_SIZE}")
         for name in ("inter_bandwidth", "intra_bandwidth"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):  # inf allowed: an ideal link

@@ -2,19 +2,28 @@
 
 For each candidate: the closed-form ``Prediction``, a simulation
 (``simulator.simulate``) unless disabled, and the spectral gap per step
-(``decent_comm.topology.spectral_gap(...).per_step``: how much of the
-disagreement one gossip step removes; sparser graphs mix slower, so they may
-need more steps to reach the same loss even when each step is faster).
+(``decent_comm.topology.spectral_gap(...).per_step`` up to ``MAX_GAP_WORLD_SIZE``
+ranks, ``mixing.sparse_gap_per_step`` above: how much of the disagreement one
+gossip step removes; sparser graphs mix slower, so they may need more steps to
+reach the same loss even when each step is faster).
 
 **Recommendation rule.**  Among All-Reduce and the gossip candidates whose
-``gap/step >= gap_threshold`` (default 0.1), pick the one with the shortest
-step time (simulated when simulated, else closed form).  If no gossip
-candidate reaches the threshold, all of them compete.  All-Reduce (exact
-averaging, gap 1) wins when nothing beats it.
+``gap/step >= gap_threshold`` (default 0.1; an unknown gap counts as passing),
+pick the one with the shortest step time (simulated when simulated, else
+closed form).  If no gossip candidate reaches the threshold, all of them
+compete.  All-Reduce (exact averaging, gap 1) wins when nothing beats it.
 
-Default candidates: one-peer-exp, exp, ring, aer (only when the number of
-nodes is a power of two >= 2), base-k, torus, complete.  A candidate that
-cannot be built for the cluster (e.g. aer on 3 nodes) is skipped with the
+**Bounded work.**  A simulation runs fewer steps when ``steps x work`` exceeds
+``MAX_SIM_WORK`` (down to 4 periods + 20); when even that would cost more than
+``MAX_SIM_COST`` for some candidate (large clusters), nothing is simulated and
+every candidate is compared by its closed form (a note says so).  A
+point-to-point step with more than ``messages.MAX_MESSAGES`` messages (complete
+on thousands of ranks with ``exchange="p2p"``) skips that candidate.
+
+Default candidates: one-peer-exp, one-peer-hypercube (only when the number of
+ranks is a power of two), exp, ring, aer and aer-pair (only when the number of
+nodes is a power of two >= 2), base-k, torus, complete.  A candidate
+that cannot be built for the cluster (e.g. aer on 3 nodes) is skipped with the
 reason in ``Plan.skipped``.
 """
 from __future__ import annotations
@@ -24,16 +33,23 @@ import functools
 
 from .. import topology as _topology
 from .closed_form import Prediction, make_topology, predict_allreduce, predict_gossip
-from .loads import schedule_links
+from .gossip import workload_step_groups
+from .loads import schedule_of
+from .mixing import sparse_gap_per_step
 from .simulator import SimResult, simulate, simulate_allreduce
 
-DEFAULT_TOPOLOGIES = ("one-peer-exp", "exp", "ring", "aer", "aer-pair", "base-k", "torus", "complete")
+DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
+                      "complete")
 GAP_THRESHOLD = 0.1
-#: spectral gaps are dense n x n linear algebra: skipped above this world size
+#: spectral gaps are dense n x n linear algebra up to this world size; above, ``mixing.sparse_gap_per_step``
 MAX_GAP_WORLD_SIZE = 1024
 #: simulation budget in work units per run (steps x (messages + 40 x most transfers sharing one link));
-#: steps are reduced above it (the complete graph on 64 ranks gets ~150 steps)
+#: steps are reduced above it (the complete graph on 64 ranks gets ~90 steps), down to 4 periods + 20
 MAX_SIM_WORK = 2_000_000
+#: what the simulator really does per run, steps x (ranks + transfers served or group members per step), at
+#: most (2.5-7 million units per second of one core measured on 8000 ranks); if a candidate needs more,
+#: nothing is simulated and the plan is closed form
+MAX_SIM_COST = 20_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,30 +99,47 @@ class Plan:
 
 
 def default_topologies(cluster) -> list:
-    """``DEFAULT_TOPOLOGIES``, without aer / aer-pair unless ``nodes`` is a power of two >= 2."""
-    N = cluster.nodes
+    """``DEFAULT_TOPOLOGIES``, without aer / aer-pair unless ``nodes`` is a power of two >= 2 and without
+    one-peer-hypercube unless the world size is a power of two (the schedules exist only there)."""
+    N, n = cluster.nodes, cluster.world_size
     aer_ok = N >= 2 and N & (N - 1) == 0
-    return [t for t in DEFAULT_TOPOLOGIES if not t.startswith("aer") or aer_ok]
+    hypercube_ok = n & (n - 1) == 0
+    return [t for t in DEFAULT_TOPOLOGIES
+            if (aer_ok or not t.startswith("aer")) and (hypercube_ok or t != "one-peer-hypercube")]
 
 
 @functools.lru_cache(maxsize=256)
 def gap_per_step(name: str, world_size: int, local_world_size: int) -> float | None:
-    """``spectral_gap(make(name, ...)).per_step`` (None above ``MAX_GAP_WORLD_SIZE``)."""
+    """``spectral_gap(make(name, ...)).per_step``; above ``MAX_GAP_WORLD_SIZE`` ranks
+    ``mixing.sparse_gap_per_step`` (None when it cannot tell)."""
+    topo = make_topology(name, world_size, local_world_size)
     if world_size > MAX_GAP_WORLD_SIZE:
-        return None
-    return float(_topology.spectral_gap(make_topology(name, world_size, local_world_size)).per_step)
+        return sparse_gap_per_step(topo)
+    return float(_topology.spectral_gap(topo).per_step)
 
 
-def _sim_steps(topo, steps: int, warmup: int) -> tuple:
-    work = 1
-    for links in schedule_links(topo):
-        shared = max(links.node_egress.max(initial=0), links.node_ingress.max(initial=0),
-                     links.rank_intra_recv.max(initial=0))
-        work = max(work, links.src.size + 40 * int(shared))
-    if steps * work <= MAX_SIM_WORK:
-        return steps, warmup
-    s = max(4 * topo.period + 20, MAX_SIM_WORK // work)
-    return s, min(warmup, s // 5)
+def _sim_steps(topo, workload, steps: int, warmup: int) -> tuple:
+    """``(steps, warmup, cost)`` of simulating ``topo``: fewer steps above ``MAX_SIM_WORK``; ``cost`` in
+    ``MAX_SIM_COST`` units."""
+    schedule = schedule_of(topo)
+    work, per_step = 1, 0
+    for table in schedule.steps:
+        links = table.links
+        work = max(work, links.messages + 40 * links.shared)
+        groups = workload_step_groups(workload, topo, table.step)
+        per_step = max(per_step, groups[1].sum() if groups is not None else links.messages + 40 * links.shared)
+    if steps * work > MAX_SIM_WORK:
+        steps = max(4 * schedule.period + 20, MAX_SIM_WORK // work)
+        warmup = min(warmup, steps // 5)
+    return steps, warmup, steps * (topo.world_size + int(per_step))
+
+
+def _allreduce_sim_steps(n: int, steps: int, warmup: int) -> tuple:
+    """``_sim_steps`` for All-Reduce, whose simulation draws ``n`` compute times per step."""
+    if steps * n > MAX_SIM_WORK:
+        steps = max(100, MAX_SIM_WORK // n)
+        warmup = min(warmup, steps // 5)
+    return steps, warmup, steps * n
 
 
 def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: int = 50, seed: int = 0,
@@ -114,17 +147,8 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     """Predict (and simulate) every candidate and recommend one (rule in the module docstring)."""
     names = list(topologies) if topologies is not None else default_topologies(cluster)
     n, L = cluster.world_size, cluster.ranks_per_node
-    notes, skipped = [], []
+    notes, skipped, gossip = [], [], []
     ar_pred = predict_allreduce(cluster, workload)
-    ar_sim = (simulate_allreduce(cluster, workload, steps=simulate_steps, warmup=warmup, seed=seed)
-              if run_simulation else None)
-
-    def sim_speedup(sim):
-        if ar_sim is None or sim is None or sim.step_seconds <= 0:
-            return None
-        return ar_sim.step_seconds / sim.step_seconds
-
-    cands = [Candidate("allreduce", ar_pred, ar_sim, 1.0, True, sim_speedup(ar_sim))]
     seen = {"allreduce"}
     for raw in names:
         try:
@@ -137,27 +161,54 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
         seen.add(name)
         try:
             topo = make_topology(name, n, L)
-        except ValueError as e:
+            gossip.append((name, topo, predict_gossip(cluster, workload, topo)))
+        except ValueError as e:  # cannot be built for this cluster, or too dense (TooManyMessages)
             skipped.append((name, str(e)))
-            continue
-        pred = predict_gossip(cluster, workload, topo)
-        sim = None
-        if run_simulation:
-            st, wu = _sim_steps(topo, simulate_steps, warmup)
-            if st != simulate_steps:
-                notes.append(f"{name}: simulated {st} steps (simulation budget)")
-            sim = simulate(cluster, workload, topo, steps=st, warmup=wu, seed=seed)
+    sims = _simulate_all(cluster, workload, gossip, simulate_steps, warmup, seed, notes) if run_simulation else {}
+    ar_sim = sims.get("allreduce")
+
+    def sim_speedup(sim):
+        if ar_sim is None or sim is None or sim.step_seconds <= 0:
+            return None
+        return ar_sim.step_seconds / sim.step_seconds
+
+    cands = [Candidate("allreduce", ar_pred, ar_sim, 1.0, True, sim_speedup(ar_sim))]
+    for name, _, pred in gossip:
         gap = gap_per_step(name, n, L)
+        sim = sims.get(name)
         cands.append(Candidate(name, pred, sim, gap, gap is None or gap >= gap_threshold, sim_speedup(sim)))
-    if n > MAX_GAP_WORLD_SIZE:
-        notes.append(f"spectral gaps not computed above {MAX_GAP_WORLD_SIZE} ranks")
-    gossip = cands[1:]
-    eligible = [c for c in gossip if c.eligible] or gossip
-    basis = "simulated" if run_simulation else "closed-form"
+    unknown = [c.name for c in cands if c.gap_per_step is None]
+    if unknown:
+        notes.append(f"spectral gap not computed for {', '.join(unknown)}: above {MAX_GAP_WORLD_SIZE} ranks only"
+                     " circulant and finite-time exact schedules get one (counted as eligible)")
+    gossip_cands = cands[1:]
+    eligible = [c for c in gossip_cands if c.eligible] or gossip_cands
+    basis = "simulated" if sims else "closed-form"
     pool = [cands[0]] + eligible
     best = min(pool, key=lambda c: c.best_step_seconds)
     rule = (f"fastest {basis} step time among allreduce and the topologies with spectral gap/step >="
-            f" {gap_threshold:g}" + ("" if any(c.eligible for c in gossip) or not gossip
+            f" {gap_threshold:g}" + ("" if any(c.eligible for c in gossip_cands) or not gossip_cands
                                      else " (none reaches it: all topologies compete)"))
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes))
+
+
+def _simulate_all(cluster, workload, gossip, steps: int, warmup: int, seed: int, notes: list) -> dict:
+    """``{name: SimResult}`` for All-Reduce and every gossip candidate, or ``{}`` (with a note) when one of
+    them would cost more than ``MAX_SIM_COST``: the plan then compares closed forms only."""
+    runs = {"allreduce": _allreduce_sim_steps(cluster.world_size, steps, warmup)}
+    for name, topo, _ in gossip:
+        runs[name] = _sim_steps(topo, workload, steps, warmup)
+    over = [name for name, (_, _, cost) in runs.items() if cost > MAX_SIM_COST]
+    if over:
+        notes.append(f"not simulated: {', '.join(over)} would exceed the simulation budget on"
+                     f" {cluster.world_size} ranks; step times and the recommendation are closed form")
+        return {}
+    topos = {name: topo for name, topo, _ in gossip}
+    sims = {}
+    for name, (st, wu, _) in runs.items():
+        if st != steps:
+            notes.append(f"{name}: simulated {st} steps (simulation budget)")
+        sims[name] = (simulate_allreduce(cluster, workload, steps=st, warmup=wu, seed=seed) if name == "allreduce"
+                      else simulate(cluster, workload, topos[name], steps=st, warmup=wu, seed=seed))
+    return sims

@@ -57,8 +57,8 @@ import dataclasses
 import numpy as np
 
 from .allreduce import allreduce_cost
-from .gossip import workload_step_groups, group_costs
-from .loads import schedule_links
+from .gossip import group_costs, workload_step_groups
+from .loads import schedule_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +114,8 @@ def _plan_step(links, cluster, B: float) -> _StepPlan:
     # first entry: sender side (egress NIC or intra port / pair link)
     res1 = np.where(inter, src // L, 2 * N + src)
     dur1 = np.where(inter, B / node_bw[src // L], dur_intra)
-    if cluster.intra_sharing == "pair":
-        res1 = np.where(inter, res1, 2 * N + src * n + dst)
+    if cluster.intra_sharing == "pair":  # one resource per ordered pair of ranks of a node
+        res1 = np.where(inter, res1, 2 * N + src * L + dst % L)
         two = np.flatnonzero(inter)
     else:
         two = np.arange(F)
@@ -219,13 +219,10 @@ def _serve(plan: _StepPlan, start_rank: np.ndarray, free_at: np.ndarray) -> np.n
 
 
 def _plan_group_step(cluster, B: float, groups) -> _GroupPlan | None:
-    costs = group_costs(cluster, B, groups)
-    if not costs:
+    gc = group_costs(cluster, B, *groups)
+    if not gc.sizes.size:
         return None
-    order = np.concatenate([g for g, _ in costs])
-    sizes = np.array([g.size for g, _ in costs])
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return _GroupPlan(order, starts, np.array([c for _, c in costs]), sizes)
+    return _GroupPlan(gc.members, gc.starts, gc.cost, gc.sizes)
 
 
 def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, seed: int = 0) -> SimResult:
@@ -240,12 +237,13 @@ def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, se
     rng = np.random.default_rng(seed)
     B = workload.bytes_per_rank
     plans = []
-    for links in schedule_links(topology):
-        groups = workload_step_groups(workload, topology, links.step)
-        plans.append(_plan_step(links, cluster, B) if groups is None else _plan_group_step(cluster, B, groups))
+    for table in schedule_of(topology).steps:
+        groups = workload_step_groups(workload, topology, table.step)
+        plans.append(_plan_step(table.message_links, cluster, B) if groups is None
+                     else _plan_group_step(cluster, B, groups))
     f = workload.overlap_fraction
-    N = cluster.nodes
-    n_res = 2 * N + (n * n if cluster.intra_sharing == "pair" else 2 * n)
+    N, L = cluster.nodes, cluster.ranks_per_node
+    n_res = 2 * N + (n * L if cluster.intra_sharing == "pair" else 2 * n)
     free_at = np.full(n_res, -np.inf)
     U = np.zeros(n)
     C_all = workload.compute.draw(rng, (steps, n))

@@ -20,7 +20,8 @@ import hashlib
 
 import numpy as np
 
-from .validation import (TOL, check_matrix, check_peers_step, check_world_size,
+from .connectivity import check_averages
+from .validation import (TOL, check_matrix, check_peers_step, check_world_size, drop_roundoff,
                          resolve_local_world_size)
 
 
@@ -49,9 +50,12 @@ class Topology:
     ``period=None`` keeps the class attribute ``period`` (default 1).
 
     Attributes: ``world_size`` (n), ``local_world_size`` (ranks per node;
-    rank ``r`` lives on node ``r // local_world_size``), ``period`` (the
+    rank ``r`` lives on node ``r // local_world_size``; ``None`` = one node:
+    only the argument counts, the environment is never read), ``period`` (the
     schedule repeats after ``period`` steps; 1 if static), ``name`` (str),
-    ``allow_biased`` (skip the column-stochastic check).
+    ``allow_biased`` (skip the column-stochastic check), ``allow_disconnected``
+    (accept a schedule whose replicas never agree, e.g. no communication at
+    all; see ``connectivity.check_averages``).
 
     Subclasses that do not call ``Topology.__init__`` (or set ``world_size``
     as a class attribute) only need the attributes ``world_size`` and
@@ -61,9 +65,11 @@ class Topology:
 
     period = 1
     allow_biased = False
+    allow_disconnected = False
 
     def __init__(self, world_size: int | None = None, *, period: int | None = None,
-                 local_world_size: int | None = None, name: str | None = None, allow_biased: bool = False):
+                 local_world_size: int | None = None, name: str | None = None, allow_biased: bool = False,
+                 allow_disconnected: bool = False):
         if world_size is None:  # a subclass that sets world_size as a class attribute
             world_size = getattr(type(self), "world_size", None)
             if world_size is None:
@@ -79,6 +85,7 @@ class Topology:
         if name is not None:
             self.name = name
         self.allow_biased = bool(allow_biased)
+        self.allow_disconnected = bool(allow_disconnected)
 
     # -- attributes with defaults that survive a subclass skipping __init__ --
     @property
@@ -126,7 +133,7 @@ class Topology:
         table = cache.get(t)
         if table is None:
             n = self.world_size
-            W = np.asarray(self.matrix(t), dtype=np.float64)
+            W = drop_roundoff(np.array(self.matrix(t), dtype=np.float64))
             if W.shape != (n, n):
                 raise ValueError(f"step {t}: matrix() must return a {n} x {n} array, got shape {W.shape}")
             off = W.copy()
@@ -164,8 +171,12 @@ class Topology:
         ``j in recv(i) <=> i in send(j)``, rows (and, unless ``allow_biased``,
         columns) summing to 1, non-negative weights.  For a
         ``matrix``-defined one: ``check_matrix`` on each ``W(t)``.  When both
-        are implemented, also that they agree.  Cost O(period * n * degree)
-        (plus O(period * n^2) for matrices).  Returns ``self``.
+        are implemented, also that they agree.  Then, unless
+        ``allow_disconnected``, that the schedule averages
+        (``connectivity.check_averages``).  Cost O(period * n * degree) (plus
+        O(period * n^2) for matrices, and O(period * n^3) for a schedule with
+        a zero self weight on at most ``DENSE_CHECK_MAX_WORLD_SIZE`` ranks).
+        Returns ``self``.
         """
         n = check_world_size(self.world_size)
         period = self.period
@@ -184,6 +195,7 @@ class Topology:
                 if diff.max() > TOL:
                     i, j = np.unravel_index(np.argmax(diff), diff.shape)
                     raise ValueError(f"step {t}, row {i}: peers() and matrix() disagree at W[{i},{j}]")
+        check_averages(self)
         return self
 
     def fingerprint(self) -> str:

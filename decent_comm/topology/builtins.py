@@ -11,8 +11,12 @@ base class.
   Provably Efficient for Decentralized Deep Training", NeurIPS 2021.
 * ``one-peer-exp``: one-peer exponential graph (same paper), period
   ``ceil(log2 n)``; exact averaging after one period when n is a power of 2.
+  A directed shift: rank i sends to ``i + 2^k`` and receives from ``i - 2^k``.
+* ``one-peer-hypercube``: rank i averages with ``i XOR 2^k`` (symmetric
+  pairs, the seed library Decent-DP's one-peer exponential graph); n must be
+  a power of 2; exact averaging after one period.
 * ``torus``: 2-D torus on the most square factorization ``n = a * b``.
-* ``local``: no communication.
+* ``local``: no communication (``allow_disconnected``: deliberately never averages).
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ class Local(Topology):
     """No communication: ``W = I``."""
 
     def __init__(self, world_size: int, local_world_size: int | None = None):
-        super().__init__(world_size, local_world_size=local_world_size, name="local")
+        super().__init__(world_size, local_world_size=local_world_size, name="local", allow_disconnected=True)
 
     def peers(self, rank, step):
         self._check_rank(rank)
@@ -164,6 +168,49 @@ class OnePeerExponential(Topology):
         o = 1 << (step % self.period)
         src, dst = (rank - o) % n, (rank + o) % n
         return Peers(0.5, [(src, 0.5)], [dst])
+
+
+class OnePeerHypercube(Topology):
+    """One-peer hypercube: at step t rank i averages with ``i XOR 2^(t mod d)``, ``d = log2 n``.
+
+    Pairs exchange both ways with weight 1/2 each (self 1/2), so every
+    ``W(t)`` is a symmetric perfect matching: ``W(t) = I_(n/2^(k+1)) (x) J_2
+    (x) I_(2^k)`` with ``k = t mod d`` and ``J_2 = 11^T / 2``.  These commute
+    and their product over one period is ``J_2 (x) ... (x) J_2 = 11^T / n``:
+    exact averaging after ``d`` steps.  Only defined when n is a power of two
+    (a XOR partner must exist for every rank); ``ValueError`` otherwise.
+
+    Why low bits first: node ``u`` holds ranks ``u L .. u L + L - 1`` and L
+    divides the power of two n, so L is a power of two and ranks of one node
+    differ only in their low ``log2 L`` bits.  Steps ``0 .. log2(L) - 1``
+    therefore pair ranks inside a node and the remaining steps pair whole
+    nodes rank by counterpart rank: a node link carries L buffers per
+    direction on those steps and none on the others, against
+    ``one-peer-exp``, whose shifts cross node boundaries at every step.  The
+    schedule does not depend on L, so it is the same on every rank whatever
+    layout is passed.  On powers of two it equals ``base-k`` with ``k = 1``
+    (the 1-peer hyper-hypercube), which builds it as explicit rounds.
+    """
+
+    def __init__(self, world_size: int, local_world_size: int | None = None):
+        n = check_world_size(world_size)
+        if n & (n - 1):
+            lo = 1 << (n.bit_length() - 1)
+            raise ValueError(
+                f"one-peer-hypercube pairs rank i with rank i XOR 2^k, so world_size must be a power of two"
+                f" (1, 2, 4, 8, ...); got world_size={n} (nearest: {lo} or {2 * lo}). For {n} ranks use"
+                f" base-k with k=1 (one peer per step, exact averaging for every world size) or one-peer-exp")
+        super().__init__(n, local_world_size=local_world_size, name="one-peer-hypercube",
+                         period=max(1, n.bit_length() - 1))
+
+    def partner(self, rank: int, step: int) -> int:
+        """The rank ``rank`` averages with at ``step`` (``rank`` itself when n = 1)."""
+        return rank if self.world_size == 1 else rank ^ (1 << (step % self.period))
+
+    def peers(self, rank, step):
+        self._check_rank(rank)
+        j = self.partner(rank, step)
+        return Peers(1.0, [], []) if j == rank else Peers(0.5, [(j, 0.5)], [j])
 
 
 def torus_shape(n: int) -> tuple[int, int]:

@@ -3,9 +3,10 @@
 Used by DSGD with an averaging/consensus step size (DSGD-AC): each rank moves
 only a fraction ``a`` of the way towards the gossip average,
 ``x_i <- x_i + a (sum_j W_ij x_j - x_i)``.  ``a = 1`` is plain gossip,
-``a = 0`` no communication at all (then no peers are listed).  Row and column
+``a = 0`` no communication at all (then no peers are listed, and the result
+has ``allow_disconnected``, as deliberate as ``local``).  Row and column
 sums, non-negativity and the sparsity pattern (for ``a > 0``) are inherited
-from ``W``.
+from ``W``; for ``a < 1`` every self weight is positive.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class ConsensusTopology(Topology):
         if not (math.isfinite(a) and 0.0 <= a <= 1.0):
             raise ValueError(f"consensus factor a must be in [0, 1], got {a!r}")
         super().__init__(base.world_size, period=base.period, local_world_size=base.local_world_size,
-                         name=f"{base.name}+consensus({a:g})", allow_biased=base.allow_biased)
+                         name=f"{base.name}+consensus({a:g})", allow_biased=base.allow_biased,
+                         allow_disconnected=base.allow_disconnected or a == 0.0)
         self.base = base
         self.a = a
 

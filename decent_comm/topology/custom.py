@@ -4,14 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Topology
+from .connectivity import check_averages
 from .validation import check_matrix
 
 
 class MatrixTopology(Topology):
     """Topology from explicit matrices ``W(t) = Ws[t % len(Ws)]``; ``peers`` derived (cached per step)."""
 
-    def __init__(self, matrices, *, allow_biased: bool = False, local_world_size: int | None = None,
-                 name: str = "custom"):
+    def __init__(self, matrices, *, allow_biased: bool = False, allow_disconnected: bool = False,
+                 local_world_size: int | None = None, name: str = "custom"):
         mats = [check_matrix(W, step=t, allow_biased=allow_biased) for t, W in enumerate(matrices)]
         if not mats:
             raise ValueError("from_matrix needs at least one matrix")
@@ -21,8 +22,9 @@ class MatrixTopology(Topology):
                 raise ValueError(f"step {t}: mixing matrix must be {n} x {n} like step 0, got shape {W.shape}")
             W.setflags(write=False)
         super().__init__(n, period=len(mats), local_world_size=local_world_size, name=name,
-                         allow_biased=allow_biased)
+                         allow_biased=allow_biased, allow_disconnected=allow_disconnected)
         self._mats = mats
+        check_averages(self, mats)
 
     def matrix(self, step):
         return self._mats[step % self.period].copy()
@@ -43,15 +45,19 @@ def _as_matrix_list(W) -> list:
     raise ValueError(f"from_matrix expects an n x n matrix or a list of them, got an array of shape {arr.shape}")
 
 
-def from_matrix(W, *, allow_biased: bool = False, local_world_size: int | None = None,
-                name: str = "custom") -> Topology:
+def from_matrix(W, *, allow_biased: bool = False, allow_disconnected: bool = False,
+                local_world_size: int | None = None, name: str = "custom") -> Topology:
     """Topology from ``W`` (n x n: static, period 1) or ``[W0, W1, ...]`` (cycled, period = length).
 
-    Each ``W(t)`` must be square, finite, non-negative, row-stochastic and,
-    unless ``allow_biased=True``, column-stochastic; else ``ValueError`` naming
-    the step and row/column.
+    Each ``W(t)`` must be square, finite, non-negative (entries down to
+    ``-TOL`` are round-off and become 0), row-stochastic and, unless
+    ``allow_biased=True``, column-stochastic; else ``ValueError`` naming the
+    step and row/column.  The schedule must average (``check_averages``: e.g.
+    the identity or a block-diagonal ``W`` never do) unless
+    ``allow_disconnected=True``.  ``local_world_size``: ranks per node
+    (``None``: one node).
     """
-    return MatrixTopology(_as_matrix_list(W), allow_biased=allow_biased,
+    return MatrixTopology(_as_matrix_list(W), allow_biased=allow_biased, allow_disconnected=allow_disconnected,
                           local_world_size=local_world_size, name=name)
 
 
@@ -82,11 +88,15 @@ def metropolis_hastings(G) -> np.ndarray:
     return W
 
 
-def from_networkx(G, *, local_world_size: int | None = None, name: str = "networkx") -> Topology:
+def from_networkx(G, *, allow_disconnected: bool = False, local_world_size: int | None = None,
+                  name: str = "networkx") -> Topology:
     """Static topology from an undirected graph (or a list of graphs, cycled) with MH weights.
 
     networkx is optional: any object with ``is_directed()``, ``nodes()`` and
-    ``edges()`` works; nodes must be ``0..n-1``.
+    ``edges()`` works; nodes must be ``0..n-1``.  A disconnected graph (the
+    union of the list's edges, for a list) is refused unless
+    ``allow_disconnected=True``.
     """
     graphs = G if isinstance(G, (list, tuple)) else [G]
-    return from_matrix([metropolis_hastings(g) for g in graphs], local_world_size=local_world_size, name=name)
+    return from_matrix([metropolis_hastings(g) for g in graphs], allow_disconnected=allow_disconnected,
+                       local_world_size=local_world_size, name=name)

@@ -9,17 +9,38 @@ Conventions: a gossip step is ``x_i <- sum_j W_ij x_j``.  ``W`` must be square
 takes a convex combination).  It must also be column-stochastic
 (``1^T W = 1^T``) or the network average ``(1/n) 1^T x`` is not preserved by
 gossip, which biases decentralized SGD; that check can be waived with
-``allow_biased=True``.
+``allow_biased=True``.  Whether a schedule averages at all (its replicas
+agree) is checked by ``connectivity.check_averages``.
+
+Pure data: nothing here reads the environment; ranks per node are an argument.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
-#: Absolute tolerance on row and column sums.
+#: The one round-off tolerance of the topology layer (absolute; weights lie in [0, 1]):
+#:
+#: * a weight in ``[-TOL, 0)`` is round-off of 0 and accepted; ``check_matrix`` (hence
+#:   ``from_matrix``) and the peers derived from ``matrix()`` set such an entry to exactly 0,
+#:   so it creates no message.  A weight below ``-TOL`` is refused as negative.
+#: * row and column sums must be within ``TOL`` of 1;
+#: * ``peers()`` and ``matrix()`` of one topology must agree within ``TOL``;
+#: * analysis: a contraction factor within ``TOL`` of 0 or 1 is reported as 0 or 1,
+#:   ``finite_time_exact`` compares with ``TOL``, ``check_averages`` requires a margin of ``TOL``.
+#:
+#: Why accept tiny negative entries rather than refuse them: matrices computed in floating
+#: point (``I - alpha L``, Sinkhorn scaling, products of schedules) carry entries of about
+#: -1e-16 .. -1e-12 where the exact value is 0, and the row-sum check already tolerates the
+#: same error; refusing would make users clip by hand.  1e-9 is far above double round-off
+#: on such computations and far below any weight that matters to gossip.
 TOL = 1e-9
+
+#: Largest ``world_size`` any topology accepts: 2**24 = 16,777,216 ranks, about 100x the largest
+#: training jobs.  Nothing can run a bigger schedule, and refusing at once keeps every
+#: constructor fast (their O(sqrt(n)) divisor searches stay under a millisecond).
+MAX_WORLD_SIZE = 2 ** 24
 
 
 def divisors(n: int) -> list[int]:
@@ -29,50 +50,50 @@ def divisors(n: int) -> list[int]:
 
 
 def check_world_size(world_size) -> int:
-    """Return ``world_size`` as an ``int`` >= 1, else raise ``ValueError``."""
+    """Return ``world_size`` as an ``int`` in ``[1, MAX_WORLD_SIZE]``, else raise ``ValueError``."""
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={world_size} is larger than any job can use; topologies accept at most"
+                         f" MAX_WORLD_SIZE = 2**24 = {MAX_WORLD_SIZE} ranks")
     return int(world_size)
 
 
 def resolve_local_world_size(world_size: int, local_world_size=None) -> int:
-    """Ranks per node.
+    """Ranks per node, given as an argument: ``None`` means one node (``world_size``).
 
-    ``None`` means the ``LOCAL_WORLD_SIZE`` environment variable set by
-    torchrun, else ``world_size`` (one node).  The result must divide
+    The topology layer never reads the environment (torchrun's
+    ``LOCAL_WORLD_SIZE`` is read by the optimizers, which pass it here), so the
+    same call builds the same topology in every shell.  The result must divide
     ``world_size``.
     """
-    source = "local_world_size"
     if local_world_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if not env:
-            return world_size
-        source = "LOCAL_WORLD_SIZE (environment)"
-        try:
-            local_world_size = int(env)
-        except ValueError:
-            raise ValueError(f"{source}={env!r} is not an integer") from None
+        return world_size
     if isinstance(local_world_size, bool) or not isinstance(local_world_size, (int, np.integer)):
-        raise ValueError(f"{source} must be an integer, got {local_world_size!r}")
+        raise ValueError(f"local_world_size must be an integer, got {local_world_size!r}")
     local_world_size = int(local_world_size)
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(
-            f"{source}={local_world_size} must be >= 1 and divide world_size={world_size}"
-            f" (world_size not divisible by local_world_size); valid values: {divisors(world_size)}"
-            + ("; pass local_world_size explicitly to override the environment"
-               if source.startswith("LOCAL_WORLD_SIZE") else ""))
+            f"local_world_size={local_world_size} must be >= 1 and divide world_size={world_size}"
+            f" (world_size not divisible by local_world_size); valid values: {divisors(world_size)}")
     return local_world_size
+
+
+def drop_roundoff(W: np.ndarray) -> np.ndarray:
+    """Set the entries of float array ``W`` in ``[-TOL, 0)`` to 0, in place (see ``TOL``); returns ``W``."""
+    W[(W < 0) & (W >= -TOL)] = 0.0
+    return W
 
 
 def check_matrix(W, n: int | None = None, step: int = 0, allow_biased: bool = False) -> np.ndarray:
     """Validate one mixing matrix and return it as a float64 array.
 
     Checks, in order: 2-D and square (and ``n x n`` when ``n`` is given),
-    finite, non-negative, row sums 1 (tolerance ``TOL``), and column sums 1
-    unless ``allow_biased``.  The error names ``step`` and the offending
-    row/column.
+    finite, non-negative (entries in ``[-TOL, 0)`` are round-off: set to 0),
+    row sums 1 (tolerance ``TOL``), and column sums 1 unless ``allow_biased``.
+    The error names ``step`` and the offending row/column.
     """
     try:
         W = np.array(W, dtype=np.float64)
@@ -86,10 +107,11 @@ def check_matrix(W, n: int | None = None, step: int = 0, allow_biased: bool = Fa
     if bad.any():
         i, j = np.argwhere(bad)[0]
         raise ValueError(f"step {step}, row {i}: entry W[{i},{j}] = {float(W[i, j])} is not finite")
-    if (W < 0).any():
-        i, j = np.argwhere(W < 0)[0]
+    if (W < -TOL).any():
+        i, j = np.argwhere(W < -TOL)[0]
         raise ValueError(f"step {step}, row {i}: entry W[{i},{j}] = {float(W[i, j]):.12g} is negative;"
-                         " mixing weights must be non-negative")
+                         f" mixing weights must be non-negative (entries down to -{TOL:g} count as round-off of 0)")
+    drop_roundoff(W)
     rows = W.sum(axis=1)
     bad = np.flatnonzero(np.abs(rows - 1.0) > TOL)
     if bad.size:
@@ -112,7 +134,7 @@ def check_peers_step(topology, step: int) -> None:
     """Check ``topology.peers(i, step)`` for all ranks ``i``.
 
     Per rank: ``recv`` sorted by rank, unique, excluding itself, weights and
-    ``self_weight`` finite and non-negative, ``self_weight + sum(recv)`` = 1;
+    ``self_weight`` finite and ``>= -TOL``, ``self_weight + sum(recv)`` = 1;
     ``send`` sorted, unique, in range, excluding itself.  Across ranks:
     ``j in recv(i)  <=>  i in send(j)``; and column sums 1 unless
     ``topology.allow_biased``.
@@ -123,7 +145,7 @@ def check_peers_step(topology, step: int) -> None:
     for i in range(n):
         p = topology.peers(i, step)
         s = float(p.self_weight)
-        if not math.isfinite(s) or s < 0:
+        if not math.isfinite(s) or s < -TOL:
             raise ValueError(f"step {step}, row {i}: self_weight {s!r} must be finite and non-negative")
         total = s
         col[i] += s
@@ -135,7 +157,7 @@ def check_peers_step(topology, step: int) -> None:
                     f"step {step}, row {i}: recv ranks must be sorted, unique, in [0, {n}) and"
                     f" exclude rank {i} itself; got {[r for r, _ in p.recv]}")
             w = float(w)
-            if not math.isfinite(w) or w < 0:
+            if not math.isfinite(w) or w < -TOL:
                 raise ValueError(f"step {step}, row {i}: weight {w!r} for rank {j} must be finite and non-negative")
             prev = j
             ranks.add(j)

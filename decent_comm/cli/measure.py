@@ -1,18 +1,25 @@
 """Local measurements for ``plan --measure``: compute time of a model, link proxies.
 
+The runtime model only predicts from numbers; this is where the command line gets them by running
+things (torch is imported lazily, only here).
+
 * ``measure_compute(model, batch, iters, warmup, device)``: per-iteration
   forward + backward (+ ``zero_grad``) times in seconds, synchronising CUDA.
   The loss is the sum of the (first) output, enough to run the backward.
 * ``builtin_mlp(params)``: a 4-layer square MLP with about ``params``
-  parameters and a batch of 32, when the user gives no model.
-* ``load_factory("pkg.mod:fn")``: imports ``fn``; it must return
+  parameters and a batch of 32, when the user gives no model (at most ``MAX_MLP_PARAMS``).
+* ``load_model(spec)``: calls ``fn`` of ``"pkg.mod:fn"``; it must return
   ``(model, example_batch)`` (batch: a tensor, a tuple/list of tensors, or a
   dict of keyword tensors).
+* ``resolve_device(text)``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` that exists here.
 * ``measure_link()``: a bandwidth/latency probe.  With ``torch.distributed``
   initialised (world size > 1) it times ``all_reduce`` and reports the bus
   bandwidth ``2 (n-1)/n * bytes / time``; otherwise it is a **local proxy**
   only: device memory-copy bandwidth (intra-node stand-in) and TCP loopback
   throughput (inter-node stand-in), neither of which measures your network.
+
+Errors in what the user gave (``--model``, ``--device``, a model that fails to run) raise ``ValueError``
+naming the flag, which the command line prints as one line.
 """
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ import math
 import socket
 import threading
 import time
+
+#: Largest built-in MLP ``--measure`` builds from ``--params`` (400 MB of float32 weights, as much again in
+#: gradients); pass ``--model`` to time a bigger model.
+MAX_MLP_PARAMS = 100e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +48,8 @@ class LinkProbe:
     is_proxy: bool
 
 
-def load_factory(spec: str):
-    """``"module:function"`` -> the function (``ValueError`` with a clear message otherwise)."""
+def load_model(spec: str):
+    """``(model, batch)`` from the factory ``"module:function"`` (``ValueError`` naming ``--model`` otherwise)."""
     if ":" not in spec:
         raise ValueError(f"--model must look like module:factory, got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
@@ -49,18 +60,48 @@ def load_factory(spec: str):
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--model: {mod_name!r} has no callable {fn_name!r}")
-    return fn
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the user's code may raise anything; report it as bad input
+        raise ValueError(f"--model {spec}: the factory raised {type(e).__name__}: {e}") from None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and hasattr(out[0], "parameters")):
+        raise ValueError(f"--model {spec}: the factory must return (model, example_batch), got {type(out).__name__}")
+    return out
 
 
 def builtin_mlp(params: float, batch: int = 32):
     """``(model, batch)``: 4 square ``Linear(h, h)`` layers with ReLU, ``4 h^2 + 4 h ~ params``."""
     import torch
 
+    if params > MAX_MLP_PARAMS:
+        raise ValueError(f"--params {params:g} is too large for the built-in MLP of --measure (at most"
+                         f" {MAX_MLP_PARAMS:g}); pass --model for a bigger model")
     h = max(4, int(math.sqrt(max(params, 64) / 4.0)))
     layers = []
     for _ in range(4):
         layers += [torch.nn.Linear(h, h), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1]), torch.randn(batch, h)
+
+
+def resolve_device(text: str):
+    """The ``torch.device`` of ``--device`` (``auto``: CUDA when available); ``ValueError`` if unusable here."""
+    import torch
+
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {text!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {text!r}: CUDA is not available here; use cpu or auto")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {text!r}: this machine has {count} CUDA device(s), cuda:0 .. cuda:{count - 1}")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {text!r}: only cpu and cuda are supported; use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def _to(batch, device):
@@ -83,19 +124,27 @@ def _loss(out):
     return out.float().sum()
 
 
-def measure_compute(model, batch, iters: int = 10, warmup: int = 2, device: str = "auto") -> list:
-    """Seconds per forward + backward for ``iters`` timed iterations (after ``warmup``)."""
+def _seconds_per_call(fn, calls: int, device) -> float:
+    """Mean wall time of ``calls`` calls of ``fn``, the device synchronised before and after."""
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+def measure_compute(model, batch, iters: int = 10, warmup: int = 2, device: str = "auto") -> list:
+    """Seconds per forward + backward for ``iters`` timed iterations (after ``warmup``)."""
+    dev = resolve_device(device)
     model = model.to(dev)
     batch = _to(batch, dev)
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     def once():
         if isinstance(batch, dict):
@@ -107,16 +156,12 @@ def measure_compute(model, batch, iters: int = 10, warmup: int = 2, device: str 
         _loss(out).backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        once()
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        once()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
+    try:
+        for _ in range(warmup):
+            once()
+        return [_seconds_per_call(once, 1, dev) for _ in range(iters)]
+    except Exception as e:  # noqa: BLE001 - the user's model may raise anything; report it as bad input
+        raise ValueError(f"--model: forward + backward on {dev} failed: {type(e).__name__}: {e}") from None
 
 
 def _copy_bandwidth(nbytes: int, iters: int) -> tuple:
@@ -126,20 +171,9 @@ def _copy_bandwidth(nbytes: int, iters: int) -> tuple:
     a = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
     b = torch.empty_like(a)
     small_a, small_b = a[:16], b[:16]
-
-    def timed(x, y, k):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            y.copy_(x)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / k
-
-    timed(a, b, 1)
-    bw = nbytes / timed(a, b, iters)
-    lat = timed(small_a, small_b, 100)
+    _seconds_per_call(lambda: b.copy_(a), 1, dev)
+    bw = nbytes / _seconds_per_call(lambda: b.copy_(a), iters, dev)
+    lat = _seconds_per_call(lambda: small_b.copy_(small_a), 100, dev)
     return bw, lat, dev.type
 
 
@@ -149,6 +183,7 @@ def _loopback_bandwidth(nbytes: int) -> tuple:
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     port = srv.getsockname()[1]
+
     def sink():
         conn, _ = srv.accept()
         with conn:
@@ -199,15 +234,8 @@ def measure_link(nbytes: int = 32 << 20, iters: int = 5) -> LinkProbe:
         n = dist.get_world_size()
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         x = torch.ones(nbytes // 4, device=dev)
-        dist.all_reduce(x)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = (time.perf_counter() - t0) / iters
+        _seconds_per_call(lambda: dist.all_reduce(x), 1, dev)
+        t = _seconds_per_call(lambda: dist.all_reduce(x), iters, dev)
         bus = 2.0 * (n - 1) / n * nbytes / t
         return LinkProbe(bus, bus, 5e-6, 5e-6,
                          f"torch.distributed all_reduce bus bandwidth over {n} ranks (one number for both links)",

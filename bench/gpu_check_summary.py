@@ -1,0 +1,107 @@
+"""The compact table that bench/gpu_check.sh prints last, from what its steps wrote:
+
+    python bench/gpu_check_summary.py --junit A.xml [B.xml ...] [--mix mix.json] [--exchange nccl_self.json]
+
+Prints each op's GB/s and % of the device's copy bandwidth at 16M and 64M elements (fp32 and bf16 neighbours),
+mix_adam_ against torch.optim.AdamW(fused=True) + the same mix, the NCCL transport's self-exchange GB/s, and the
+test counts. Exits 1 when a test failed or errored, when a one-GPU NCCL transport test was skipped (on the GPU
+machine it must run: a skipped one means NCCL never moved a byte), or when a benchmark is missing.
+"""
+import argparse
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+# The skip reason of the tests that must run wherever there is a GPU (tests/test_exchange_nccl.py).
+MUST_RUN = "one-GPU NCCL transport test"
+
+
+def parse_sizes(text):
+    """'16M,64M' -> element counts (M = 2^20), as bench/mix_kernels.py --sizes reads them."""
+    return [int(float(v[:-1]) * 2**20) if v.endswith("M") else int(v) for v in text.split(",")]
+
+
+def elements(n):
+    return f"{n >> 20}M" if n >= 1 << 20 else str(n)
+
+
+def test_counts(paths):
+    counts = dict(passed=0, failed=0, skipped=0, must_run_skipped=0)
+    reasons = []
+    for path in paths:
+        if not os.path.exists(path):
+            counts["failed"] += 1
+            reasons.append(f"{path}: missing (pytest did not run)")
+            continue
+        for case in ET.parse(path).getroot().iter("testcase"):
+            name = f"{case.get('classname')}.{case.get('name')}"
+            if case.find("failure") is not None or case.find("error") is not None:
+                counts["failed"] += 1
+            elif case.find("skipped") is not None:
+                message = case.find("skipped").get("message", "")
+                counts["skipped"] += 1
+                counts["must_run_skipped"] += MUST_RUN in message
+                reasons.append(f"{name}: {message}")
+            else:
+                counts["passed"] += 1
+    return counts, reasons
+
+
+def load(path):
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--junit", nargs="+", default=[])
+    ap.add_argument("--mix", default=None)
+    ap.add_argument("--exchange", default=None)
+    ap.add_argument("--sizes", default="16M,64M", help="the kernel benchmark's sizes to show")
+    args = ap.parse_args()
+    sizes = parse_sizes(args.sizes)
+    ok = True
+    mix, exchange = load(args.mix), load(args.exchange)
+    copy = exchange["copy_gbps"] if exchange else None
+    device = exchange["device"] if exchange else "?"
+    print(f"== gpu_check summary ({device}; device copy bandwidth "
+          f"{f'{copy:.0f} GB/s' if copy else 'not measured'}: x.copy_(y), bytes read + written)")
+
+    def pct(gbps):
+        return f"{100 * gbps / copy:.0f}%" if copy else "-"
+
+    def table(title, columns, rows):
+        if rows is None:
+            print(f"{title}: MISSING")
+            return False
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "|".join("---" for _ in columns) + "|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return True
+
+    def mix_row(r):
+        vs = "  ".join(f"{name} {x:.2f}x" for name, x in r["speedup"].items()
+                       if name in ("op_chain", "foreach", "cupy", "adamw+mix"))
+        return [r["op"], elements(r["n"]), str(r["k"]), r["nb_dtype"], f"{r['gbps']:.0f}", pct(r["gbps"]), vs]
+
+    ok &= table("kernel benchmark", ["op", "elements", "k", "neighbours", "GB/s", "% copy", "speedup vs"],
+                None if mix is None else [mix_row(r) for r in mix["rows"] if r["n"] in sizes])
+    ok &= table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy"],
+                None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
+                                                pct(r["gbps"])] for r in exchange["rows"]])
+    counts, reasons = test_counts(args.junit)
+    for reason in reasons:
+        print(f"  skipped/missing: {reason}")
+    print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+          f"({counts['must_run_skipped']} of them one-GPU NCCL transport tests, counted as failures)")
+    ok = ok and counts["failed"] == 0 and counts["must_run_skipped"] == 0
+    print("gpu_check: PASS" if ok else "gpu_check: FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

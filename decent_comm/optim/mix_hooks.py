@@ -1,0 +1,63 @@
+"""ATC's mix-before-use: each bucket's pending mix is applied just before the first module that uses one of
+its parameters runs, so the next forward overlaps the exchange and still computes at the mixed point.
+
+The hooks are the forward pre-hooks of ``model``'s modules when it is given, else one global forward pre-hook
+(torch.nn.modules.module.register_module_forward_pre_hook). Either way they learn, from the modules that
+actually run, which module holds which parameter. A bucket is deferred to the hooks only when every one of
+its parameters is held by a module seen running (``deferrable``); any other bucket (a parameter used outside
+any module, or not seen in a forward yet) is mixed at the end of step(), without overlap but exactly ATC.
+The one assumption, as for Megatron's and FSDP's forward pre-hooks: a parameter is first used inside the
+forward of a module that holds it directly (in its own ``_parameters``), not read earlier by another module.
+"""
+
+import weakref
+from typing import Dict, Optional, Set
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+
+class MixBeforeUse:
+    def __init__(self, schedule, model: Optional[torch.nn.Module] = None):
+        self._schedule = weakref.ref(schedule)  # the hooks must not keep an optimizer alive
+        self._bucket_of: Dict[int, int] = {id(s.param): b.index for b in schedule.buckets for s in b.slots}
+        self._missing = {b.index: {id(s.param) for s in b.slots} for b in schedule.buckets}
+        self._owned: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+        self._handles = []
+        if model is not None:
+            self._handles += [m.register_forward_pre_hook(self._hook) for m in model.modules() if m._parameters]
+        else:
+            self._handles.append(register_module_forward_pre_hook(self._hook))
+        # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict).
+        handles = self._handles
+        self._finalizer = weakref.finalize(schedule, lambda: [h.remove() for h in handles])
+
+    def _learn(self, module: torch.nn.Module) -> tuple:
+        """Bucket ids of the parameters `module` holds directly; those parameters now count as covered."""
+        ids = set()
+        for p in module._parameters.values():
+            if p is not None and id(p) in self._bucket_of:
+                b = self._bucket_of[id(p)]
+                ids.add(b)
+                self._missing[b].discard(id(p))
+        out = tuple(sorted(ids))
+        self._owned[module] = out
+        return out
+
+    def _hook(self, module, args):
+        # Ownership is learned from modules seen running (not declared): a module that never runs covers
+        # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
+        ids = self._owned.get(module)
+        if ids is None:
+            ids = self._learn(module)
+        if ids:
+            schedule = self._schedule()
+            if schedule is not None and schedule.pending:
+                schedule.mix_pending(ids)
+
+    def deferrable(self) -> Set[int]:
+        """Buckets whose every parameter is held by a module whose pre-hook will mix it before use."""
+        return {b for b, missing in self._missing.items() if not missing}
+
+    def remove(self):
+        self._finalizer()

@@ -1,0 +1,129 @@
+"""Per-rank checkpoints of a training run, and resuming from them.
+
+Layout: CHECKPOINT/step_NNNNNNN/rank<r>.pt, one file per rank (decentralized replicas and every rank's data
+stream differ), and CHECKPOINT/latest, the name of the newest step directory every rank has finished writing.
+
+Loading is safe on files one did not write: a checkpoint holds tensors (RNG states included), numbers,
+strings and plain containers only, and is read with torch.load(weights_only=True), which refuses anything
+else instead of running it. Resuming reads only inside the directory --resume names: `latest` must hold the
+bare name of one of its step directories (not a path), and no file read (`latest`, the step directory, the
+rank file) may resolve, through symlinks, to a place outside it.
+"""
+
+import logging
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .distributed import DistEnv
+from .strategy import Strategy
+
+log = logging.getLogger("decent_train")
+
+STEP_DIR = re.compile(r"step_[0-9]+")
+KEYS = ("model", "optimizer", "scheduler", "data_rng", "torch_rng", "step", "train_time", "rows", "world_size")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from safely (paths leaving its directory, unexpected content)."""
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    train_time: float = 0.0      # seconds spent training (evaluation and checkpointing excluded)
+    rows: List[dict] = field(default_factory=list)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, scheduler, generator, progress: Progress):
+    """Every rank writes its own file: decentralized replicas (and every rank's data stream) differ."""
+    step_dir = os.path.join(root, step_dir_name(progress.step))
+    os.makedirs(step_dir, exist_ok=True)
+    # The optimizer first: a decentralized one synchronizes, which in ATC mode applies the pending mix to the
+    # parameters. Copied before it, the model would lack that mix, and a resumed run (whose optimizer starts
+    # the next exchange afresh) would never apply it.
+    optimizer_state = strategy.optimizer.state_dict()
+    state = {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},  # copies, not bucket views
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
+        "data_rng": generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "step": progress.step, "train_time": progress.train_time, "rows": progress.rows,
+        "world_size": env.world_size,
+    }
+    path = os.path.join(step_dir, f"rank{env.rank}.pt")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a run killed mid-write leaves the previous checkpoint intact
+    if env.distributed:
+        dist.barrier()  # "latest" may only name a step every rank has finished writing
+    if env.is_main:
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(step_dir))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    log.info("checkpoint written: %s", step_dir)
+
+
+def inside(path: str, directory: str) -> str:
+    """`path` with every symlink resolved; a CheckpointError when that is not within `directory` (resolved too)."""
+    real, real_dir = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, real_dir]) != real_dir:
+        raise CheckpointError(f"{path} resolves to {real}, outside the checkpoint directory {real_dir}")
+    return real
+
+
+def resolve_resume_dir(path: str) -> str:
+    """The step directory `--resume path` means: the one path/latest names when there is such a file (a
+    checkpoint directory), else path itself (one step directory)."""
+    latest = os.path.join(path, "latest")
+    if not os.path.lexists(latest):
+        return path
+    inside(latest, path)
+    with open(latest) as f:
+        name = f.read().strip()
+    if not STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{latest} holds {name[:200]!r}: it must be the name of a step directory of {path} "
+                              "(step_ and digits, as the training script writes it), not a path")
+    step_dir = os.path.join(path, name)
+    inside(step_dir, path)
+    return step_dir
+
+
+def read_checkpoint(file: str, device) -> dict:
+    """torch.load with weights_only=True, and the keys a checkpoint must have."""
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds more than tensors and plain containers; not loading it "
+                              f"(torch.load(weights_only=True) refused: {e})") from e
+    missing = [k for k in KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{file} is not a checkpoint of this training script (missing {', '.join(missing)})")
+    return state
+
+
+def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, scheduler, generator) -> Progress:
+    step_dir = resolve_resume_dir(path)
+    file = os.path.join(step_dir, f"rank{env.rank}.pt")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no checkpoint for rank {env.rank} in {step_dir}")
+    state = read_checkpoint(inside(file, step_dir), env.device)
+    if state["world_size"] != env.world_size:
+        raise ValueError(f"{step_dir} was written by {state['world_size']} ranks, this job has {env.world_size}")
+    model.load_state_dict(state["model"])
+    strategy.optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    # RNG states are CPU byte tensors; map_location moved them to the training device.
+    generator.set_state(state["data_rng"].cpu())
+    torch.set_rng_state(state["torch_rng"].cpu())
+    log.info("resumed from %s at step %d", step_dir, state["step"])
+    return Progress(state["step"], state["train_time"], state["rows"])

@@ -1,0 +1,64 @@
+"""The job this process belongs to: joining the process group torchrun describes (and leaving it), the rank,
+world and device, each rank's data seed, and log lines tagged with the rank."""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def setup_logging(rank: int):
+    """INFO from rank 0, warnings and errors from every rank, each line tagged with its rank."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False     # we created the process group, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Joins the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment; works the
+    same for --standalone and multi-node c10d rendezvous). gloo on CPU, nccl on GPU. A group that already
+    exists (tests) is reused; without torchrun the example runs as a single process."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    env = DistEnv(local_rank=local_rank, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        env.device = torch.device("cuda", local_rank)
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                device_id=env.device if use_cuda else None)
+        env.owns_group = True
+    if dist.is_initialized():
+        env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            env.local_world_size = env.world_size
+    return env
+
+
+def close_distributed(env: DistEnv):
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Each rank draws different data; a large odd multiplier keeps (seed, rank) pairs from colliding."""
+    return (seed * 1_000_003 + rank * 7919 + 1) % (2 ** 63)

@@ -1,0 +1,119 @@
+"""Train a small GPT-style byte-level language model with decentralized (gossip) data parallelism.
+
+Data: the Python standard library's own source code, read from ``sysconfig.get_paths()["stdlib"]`` of the
+running interpreter (top-level ``*.py`` files, sorted by name, ``_sysconfigdata*`` skipped, the first
+--corpus-mb megabytes; every 10th file is held out for validation). It is real code present on every
+machine, so nothing is downloaded; see decent_train/data.py. Each rank samples its own random windows.
+
+    torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer dadamw --topology one-peer-exp
+    torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer allreduce        # DDP + AdamW
+    torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer accumadamw --topology aer \\
+        --local-world-size 2                                  # aer as if on 2 nodes x 2 ranks
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        examples/train_lm.py --optimizer dadamw --topology aer  # multi-node: aer reads LOCAL_WORLD_SIZE
+
+Validation loss is that of the global average of the replicas; logs, plot and checkpoints: see --help.
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import data
+from ..flags import add_common_args
+from ..loop import run
+from ..task import Task
+
+VOCAB = 256  # bytes
+# All-reduce peak lr per optimizer family for the default model, 300 steps (docs/demo_results.md); decentralized
+# Adam-family runs scale the Adam value (decent_train.flags.resolve_defaults, docs/quality_results.md). SGD (0.3 with
+# momentum 0.9) is a reasonable setting, not a tuned one.
+LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.3}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"--d-model {d_model} is not divisible by --heads {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Pre-LayerNorm decoder-only transformer with learned positions and a tied output embedding."""
+
+    def __init__(self, layers: int, d_model: int, heads: int, seq_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.apply(self._init)
+        nn.init.normal_(self.pos, std=0.02)
+        for block in self.blocks:  # GPT-2: scale the residual projections by depth so the stream stays O(1)
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * layers))
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()
+
+
+def build_task(args, env) -> Task:
+    corpus = data.load_stdlib_corpus(int(args.corpus_mb * 1e6))
+    model = GPT(args.layers, args.d_model, args.heads, args.seq_len)
+    val = data.eval_windows(corpus.val, args.seq_len, args.eval_tokens, args.batch_size, env.rank, env.world_size)
+    return Task(
+        model=model,
+        sample_batch=lambda g: data.random_windows(corpus.train, args.batch_size, args.seq_len, g),
+        val_batches=val, items_per_batch=args.batch_size * args.seq_len, item_name="tokens",
+        description=corpus.describe())
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, steps=300, batch_size=16, eval_every=50)
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=128, help="model width")
+    g.add_argument("--heads", type=int, default=4, help="attention heads")
+    g.add_argument("--seq-len", type=int, default=64, help="context length in bytes")
+    g.add_argument("--corpus-mb", type=float, default=3.0, help="megabytes of stdlib source to use (train + held-out)")
+    g.add_argument("--eval-tokens", type=int, default=65536, help="held-out bytes scored at each evaluation")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    return run(parse_args(argv), build_task, LR_DEFAULTS)

@@ -1,0 +1,109 @@
+"""A communication interval (gossip every k steps, local steps between) and an all-reduce warm-up (the first w
+steps average the gradients, as torch's PostLocalSGDOptimizer), against the float64 dense simulation of all ranks,
+for every optimizer and both modes; they are kept in state_dict (a resume mid-interval continues exactly) and
+checked at start-up like every option."""
+
+import itertools
+
+import pytest
+import torch
+
+import decent_comm
+from decent_comm import topology as T
+
+from dist_utils import run_ranks
+from optim_cases import OPTIMIZERS, batch, make_model, run_against_reference, flat_params
+
+CADENCES = {"every3": dict(gossip_every=3), "warmup4": dict(warmup_steps=4),
+            "warmup3-every2": dict(gossip_every=2, warmup_steps=3)}
+
+
+def _every_optimizer(rank, n, cadence):
+    topos = {"one-peer-exp": T.make("one-peer-exp", n), "complete": T.make("complete", n)}
+    return {(o, name, mode): run_against_reference(rank, n, o, topo, mode, steps=11, **CADENCES[cadence])
+            for o, (name, topo), mode in itertools.product(OPTIMIZERS, topos.items(), ["awc", "atc"])}
+
+
+@pytest.mark.parametrize("cadence", sorted(CADENCES))
+def test_cadence_matches_dense_simulation(cadence):
+    for r, errs in enumerate(run_ranks(_every_optimizer, 3, cadence, timeout=900)):
+        bad = {k: e for k, e in errs.items() if not e < 1e-5}
+        assert not bad, (r, bad)
+
+
+def _local_steps_send_nothing(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", gossip_every=4, warmup_steps=2, timeout=30)
+    sent = []
+    for t in range(10):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.synchronize()
+        sent.append(opt.bytes_sent)
+    opt.shutdown()
+    return sent
+
+
+def test_only_gossip_rounds_move_bytes():
+    sent = run_ranks(_local_steps_send_nothing, 3, timeout=120)[0]
+    grew = [t for t in range(1, 10) if sent[t] > sent[t - 1]]
+    # AWC launches round r's exchange at the end of the step before it: rounds at steps 2, 6 (and 10)
+    assert grew == [1, 5, 9], sent
+
+
+def _resume_mid_interval(rank, n, mode):
+    def build(model):
+        return decent_comm.DAdamW(model.parameters(), lr=0.02, topology="one-peer-exp", mode=mode, model=model,
+                                  gossip_every=3, warmup_steps=2, timeout=30)
+
+    def train(model, opt, steps, start):
+        for t in range(start, start + steps):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    model = make_model(rank)
+    opt = build(model)
+    train(model, opt, 12, 0)
+    opt.synchronize()
+    straight = flat_params(model)
+    opt.shutdown()
+    model = make_model(rank)
+    opt = build(model)
+    train(model, opt, 7, 0)
+    ckpt = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+    opt.shutdown()
+    model = make_model(10 + rank)
+    opt = build(model)
+    model.load_state_dict(ckpt[1])
+    opt.load_state_dict(ckpt[0])
+    train(model, opt, 5, 7)
+    opt.synchronize()
+    err = (flat_params(model) - straight).abs().max().item()
+    other = decent_comm.DAdamW(make_model(0).parameters(), topology="one-peer-exp", gossip_every=2, warmup_steps=2,
+                               timeout=30)
+    try:
+        other.load_state_dict(ckpt[0])
+        msg = "no error"
+    except ValueError as exc:
+        msg = str(exc)
+    other.shutdown()
+    opt.shutdown()
+    return err, msg
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_cadence_resumes_mid_interval(mode):
+    for err, msg in run_ranks(_resume_mid_interval, 4, mode, timeout=300):
+        assert err < 1e-6
+        assert "gossip_every=3" in msg, msg
+
+
+@pytest.mark.parametrize("bad", [dict(gossip_every=0), dict(gossip_every=1.5), dict(warmup_steps=-1),
+                                 dict(warmup_steps=True)])
+def test_cadence_arguments_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        decent_comm.DSGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, **bad)

@@ -1,0 +1,223 @@
+"""Misuse of the optimizers is a clear error naming what is wrong - on every rank - never a crash, a hang or a
+silently wrong result: options that differ between ranks, another rank's state_dict, non-finite values spreading,
+a silent peer on the group all-reduce path, sparse gradients, a model converted after construction, a model left
+in DDP, add_param_group, and options checked whatever the world size."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import decent_comm
+from decent_comm.exchange import ExchangeTimeout
+
+from dist_utils import run_ranks
+from optim_cases import batch, make_model
+
+# ----------------------------------------------------------------------------------------- one process
+
+
+def test_sparse_gradients_dsgd_equals_torch_sgd_adam_refuses():
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Embedding(10, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt = decent_comm.DSGD(emb.parameters(), lr=0.1, momentum=0.9)  # torch's SGD takes no weight decay on sparse
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for idx in ([1, 2, 2, 5], [0, 5], [9]):
+        for mod, o in ((emb, opt), (ref, ropt)):
+            o.zero_grad()
+            mod(torch.tensor(idx)).pow(2).sum().backward()
+            o.step()
+    torch.testing.assert_close(emb.weight, ref.weight)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = decent_comm.DAdamW(emb.parameters())
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(timeout=-5), "timeout"), (dict(timeout=float("nan")), "timeout"), (dict(timeout="1"), "timeout"),
+    (dict(comm_dtype=torch.int32), "comm_dtype"), (dict(comm_dtype="bf16"), "comm_dtype"),
+    (dict(bucket_cap_mb=float("nan")), "bucket_cap_mb"), (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+    (dict(mode="adapt"), "mode"), (dict(exchange="allreduce"), "exchange"),
+])
+def test_options_are_checked_at_world_size_one(bad, match):
+    with pytest.raises(ValueError, match=match):
+        decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), **bad)
+
+
+def test_model_converted_after_construction_is_named():
+    lin = torch.nn.Linear(2, 2)
+    opt = decent_comm.DAdamW(lin.parameters())
+    lin.to(torch.float64)
+    lin(torch.zeros(1, 2, dtype=torch.float64)).sum().backward()
+    before = lin.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"model\.to\(\.\.\.\).*after the optimizer was built"):
+        opt.step()
+    assert torch.equal(lin.weight, before)
+
+
+def test_add_param_group_is_refused_and_groups_added_to_the_inner_optimizer_too():
+    opt = decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    wrapped = decent_comm.Decentralized(inner)
+    inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(RuntimeError, match="param group"):
+        wrapped.step()
+
+
+def test_decentralized_hooks_and_lbfgs_closure():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2, 1)
+    opt = decent_comm.Decentralized(torch.optim.LBFGS(lin.parameters(), lr=0.5))
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load"))
+    x = torch.randn(16, 2)
+    y = x @ torch.tensor([[1.0], [-2.0]]) + 0.5
+
+    def closure():
+        opt.zero_grad()
+        loss = ((lin(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    losses = [opt.step(closure).item() for _ in range(4)]
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post"] * 4 + ["sd", "load"]
+    assert losses[-1] < 1e-6 < losses[0]  # LBFGS solves the least-squares problem
+
+
+# ------------------------------------------------------------------------------------------ multi-rank
+
+
+def _build_with(rank, n, option):
+    model = torch.nn.Linear(64, 32)
+    ctor, kw = OPTION_MISMATCHES[option](rank)
+    try:
+        opt = ctor(model.parameters(), topology="ring", timeout=20, **kw)
+    except RuntimeError as exc:
+        return str(exc)
+    opt.shutdown()
+    return "no error"
+
+
+OPTION_MISMATCHES = {
+    "comm_dtype": lambda r: (decent_comm.DAdamW, dict(comm_dtype=None if r == 0 else torch.bfloat16)),
+    "comm_dtype fp16/bf16": lambda r: (decent_comm.DAdamW, dict(comm_dtype=torch.float16 if r == 0 else torch.bfloat16)),
+    "bucket_cap_mb": lambda r: (decent_comm.DAdamW, dict(bucket_cap_mb=25 if r == 0 else 0.001)),
+    "mode": lambda r: (decent_comm.DAdamW, dict(mode="awc" if r == 0 else "atc")),
+    "exchange": lambda r: (decent_comm.DAdamW, dict(exchange="auto" if r == 0 else "p2p")),
+    "consensus": lambda r: (decent_comm.DAdamW, dict(consensus=1.0 if r == 0 else 0.5)),
+    "optimizer": lambda r: (decent_comm.DAdamW if r == 0 else decent_comm.DAdam, {}),
+    "param group": lambda r: (decent_comm.AccumAdamW, dict(accum_steps=4 if r == 0 else 2)),
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTION_MISMATCHES))
+def test_options_that_differ_between_ranks_are_named_on_every_rank(option):
+    msgs = run_ranks(_build_with, 3, option, timeout=120)
+    for m in msgs:
+        assert "rank 1" in m and option.split()[0] in m, (option, m)
+
+
+def _load_other_ranks_state(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=20)
+    model(torch.zeros(1, 4)).sum().backward()
+    opt.step()
+    states = [None] * n
+    dist.all_gather_object(states, opt.state_dict())
+    try:
+        opt.load_state_dict(states[(rank + 1) % n])
+        msg = "no error"
+    except ValueError as exc:
+        msg = str(exc)
+    opt.load_state_dict(states[rank])  # its own loads
+    opt.shutdown()
+    return msg
+
+
+def test_another_ranks_state_dict_is_refused():
+    for r, m in enumerate(run_ranks(_load_other_ranks_state, 3, timeout=120)):
+        assert f"saved by rank {(r + 1) % 3}" in m and f"rank {r}" in m, m
+
+
+def _nan_on_one_rank(rank, n, mode, topology):
+    model = make_model(rank)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology=topology, mode=mode, check_finite=True, timeout=20)
+    start = time.monotonic()
+    try:
+        for t in range(6):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            if rank == 1 and t == 3:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+        opt.synchronize()
+    except RuntimeError as exc:
+        return dict(msg=str(exc), elapsed=time.monotonic() - start)
+    return dict(msg="no error", elapsed=time.monotonic() - start)
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+@pytest.mark.parametrize("topology", ["ring", "complete"])  # complete: the group all-reduce path
+def test_check_finite_names_the_rank_and_step_on_every_rank(mode, topology):
+    res = run_ranks(_nan_on_one_rank, 3, mode, topology, timeout=120)
+    assert "rank 1:" in res[1]["msg"] and "after optimizer step 3" in res[1]["msg"], res[1]
+    for r in (0, 2):
+        m = res[r]["msg"]
+        assert "non-finite" in m and ("from rank 1" in m or "all-reduce among ranks" in m), (r, m)
+        assert res[r]["elapsed"] < 15, res[r]
+
+
+def _silent_group_peer(rank, n):
+    model = make_model(0)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="complete", timeout=3)
+    if rank == 2:
+        time.sleep(12)  # alive but silent: never takes another step
+        return "slept"
+    start = time.monotonic()
+    try:
+        for t in range(4):
+            opt.zero_grad()
+            model(torch.zeros(1, 4)).sum().backward()
+            opt.step()
+    except ExchangeTimeout as exc:
+        return dict(elapsed=time.monotonic() - start, msg=str(exc), kind="ExchangeTimeout")
+    return dict(elapsed=time.monotonic() - start, msg="no error", kind=None)
+
+
+def test_silent_peer_on_group_allreduce_is_an_exchange_timeout():
+    res = run_ranks(_silent_group_peer, 3, timeout=120)
+    for r in (0, 1):
+        assert res[r]["kind"] == "ExchangeTimeout" and "ranks [0, 1, 2]" in res[r]["msg"], res[r]
+        assert res[r]["elapsed"] < 3 + 5, res[r]
+
+
+def _ddp_wrapped(rank, n):
+    model = make_model(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    out = []
+    for give_model in (True, False):
+        try:
+            opt = decent_comm.DSGD(ddp.parameters(), lr=0.1, model=ddp if give_model else None, timeout=20)
+            ddp(torch.zeros(1, 4)).sum().backward()
+            opt.step()
+            out.append("no error")
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_model_left_in_ddp_is_refused():
+    for msgs in run_ranks(_ddp_wrapped, 2, timeout=120):
+        assert all("DistributedDataParallel" in m for m in msgs), msgs

@@ -1,0 +1,113 @@
+"""torch.optim conventions the optimizers keep although their state lives in flat buckets: ``opt.state[p]`` holds
+per-parameter views (the values torch's own optimizer holds), and torch.distributed.checkpoint's
+get/set_state_dict round-trip exactly, with no side effect, the gossip schedule included."""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import decent_comm
+
+from dist_utils import run_ranks
+from optim_cases import batch, flat_params, make_model
+
+
+@pytest.mark.parametrize("ctor, ref_ctor, keys", [
+    (decent_comm.DAdamW, torch.optim.AdamW, ("exp_avg", "exp_avg_sq")),
+    (lambda ps, **kw: decent_comm.DSGD(ps, momentum=0.9, **kw), lambda ps, **kw: torch.optim.SGD(ps, momentum=0.9, **kw),
+     ("momentum_buffer",)),
+])
+def test_state_holds_per_parameter_views_equal_to_torch(ctor, ref_ctor, keys):
+    model, ref = make_model(0), make_model(0)
+    opt, ropt = ctor(model.parameters(), lr=0.01), ref_ctor(ref.parameters(), lr=0.01)
+    assert not opt.state  # torch semantics: no state before the first step
+    for t in range(3):
+        for m, o in ((model, opt), (ref, ropt)):
+            x, y = batch(0, t)
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        for k in keys:
+            torch.testing.assert_close(opt.state[p][k], ropt.state[rp][k])
+            assert opt.state[p][k].shape == p.shape
+        if "step" in ropt.state[rp]:
+            assert float(opt.state[p]["step"]) == float(ropt.state[rp]["step"]) == 3
+    # a view, not a copy: what a tool writes into opt.state is what the next step uses
+    p = next(model.parameters())
+    opt.state[p][keys[0]].zero_()
+    assert opt.state_dict()["state"][0][keys[0]].abs().sum() == 0
+
+
+CASES = {
+    "dadamw-awc": lambda ps, model: decent_comm.DAdamW(ps, lr=0.01, topology="ring", timeout=30),
+    "accumadamw-atc": lambda ps, model: decent_comm.AccumAdamW(ps, lr=0.01, accum_steps=2, topology="ring",
+                                                               mode="atc", model=model, timeout=30,
+                                                               consensus=decent_comm.AdaptiveConsensus(p=2)),
+    "wrapped-adam": lambda ps, model: decent_comm.Decentralized(torch.optim.Adam(ps, lr=0.01), topology="ring",
+                                                                timeout=30),
+}
+
+
+def _dcp_round_trip(rank, n, case):
+    def train(model, opt, steps, start):
+        for t in range(start, start + steps):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    model = make_model(rank)
+    opt = CASES[case](model.parameters(), model)
+    train(model, opt, 3, 0)
+    opt.synchronize()  # ATC: state_dict() applies the pending mix first (the same x^{t+1} the next forward uses)
+    before, t_before = flat_params(model).clone(), opt._schedule.t
+    msd, osd = get_state_dict(model, opt)
+    side_effect = (flat_params(model) - before).abs().max().item() + abs(opt._schedule.t - t_before)
+    ckpt = copy.deepcopy((msd, osd))
+    train(model, opt, 3, 3)
+    opt.synchronize()
+    straight = flat_params(model).clone()
+    opt.shutdown()
+
+    model = make_model(50 + rank)  # other weights: everything must come from the checkpoint
+    opt = CASES[case](model.parameters(), model)
+    set_state_dict(model, opt, model_state_dict=ckpt[0], optim_state_dict=ckpt[1])
+    restored_t = opt._schedule.t
+    train(model, opt, 3, 3)
+    opt.synchronize()
+    err = (flat_params(model) - straight).abs().max().item()
+    opt.shutdown()
+    return dict(side_effect=side_effect, err=err, restored_t=restored_t)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dcp_get_set_state_dict_round_trip_is_exact(case):
+    for r in run_ranks(_dcp_round_trip, 3, case, timeout=300):
+        assert r["side_effect"] == 0, r
+        assert r["restored_t"] == 3, r
+        assert r["err"] < 1e-6, r
+
+
+def _profiled(rank, n, mode):
+    from torch.profiler import profile
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", mode=mode, warmup_steps=1, timeout=30)
+    with profile() as prof:
+        for t in range(3):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    opt.shutdown()
+    return sorted({e.name for e in prof.events() if e.name.startswith("decent_comm::")})
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_profiler_shows_the_gossip_ranges(mode):
+    names = run_ranks(_profiled, 2, mode, timeout=120)[0]
+    want = {"decent_comm::warmup_allreduce", "decent_comm::exchange_launch", "decent_comm::exchange_wait"}
+    want |= {"decent_comm::mix_update"} if mode == "awc" else {"decent_comm::local_update", "decent_comm::atc_mix"}
+    assert want <= set(names), names

@@ -1,0 +1,183 @@
+"""``python -m decent_comm plan``: output, measurement, and bad input (one line on stderr, exit code 2)."""
+import contextlib
+import io
+import json
+
+import pytest
+
+from decent_comm.cli import main
+from decent_comm.cli.args import MAX_SAMPLE
+from decent_comm.runtime_model.hardware import MAX_WORLD_SIZE
+from decent_comm.runtime_model.planner import DEFAULT_TOPOLOGIES
+
+EXAMPLE = ["plan", "--nodes", "4", "--gpus-per-node", "4", "--params", "65M", "--inter-bw", "25Gbit",
+           "--intra-bw", "600Gbit", "--compute", "120ms", "--compute-std", "10ms"]
+MEASURE = ["plan", "--nodes", "2", "--gpus-per-node", "2", "--measure", "--measure-iters", "2", "--no-sim",
+           "--topologies", "ring"]
+
+
+def run_cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:   # main returns the code; a SystemExit escaping it is caught here too
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_example_json():
+    code, out, _ = run_cli(EXAMPLE + ["--json", "--steps", "80", "--warmup", "10"])
+    assert code == 0
+    d = json.loads(out)
+    names = d["candidates"]
+    assert names[0] == "allreduce" and set(names[1:]) == set(DEFAULT_TOPOLOGIES)
+    for name in names:
+        for key in ("step_seconds", "speedup", "simulated_step_seconds", "comm_seconds", "gamma", "omega"):
+            assert key in d[name], (name, key)
+        assert d[name]["step_seconds"] > 0
+    assert d["allreduce"]["speedup"] == 1.0
+    assert d["recommended"] in names
+    assert d["inputs"]["bytes_per_rank"] == 260e6
+
+
+def test_cli_table():
+    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "3", "--topologies", "ring,aer,allreduce"])
+    assert code == 0
+    assert "recommended:" in out and "skipped aer" in out and "ring" in out   # aer cannot be built on 3 nodes
+
+
+def test_cli_hypercube_where_the_world_size_is_a_power_of_two():
+    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "2", "--gpus-per-node", "2", "--inter-bw", "50Mbit",
+                                      "--json"])
+    d = json.loads(out)
+    assert code == 0 and "one-peer-hypercube" in d["candidates"]
+    # comm-bound on 2 nodes x 2 ranks: 1 buffer per step on the node link on average against one-peer-exp's 1.5
+    ratio = d["one-peer-exp"]["step_seconds"] / d["one-peer-hypercube"]["step_seconds"]
+    assert ratio == pytest.approx(1.5, rel=0.01)
+    code, out, _ = run_cli(EXAMPLE + ["--no-sim", "--nodes", "3", "--gpus-per-node", "2", "--json"])
+    d = json.loads(out)
+    assert code == 0 and "one-peer-hypercube" not in d["candidates"] and not d["skipped"]
+    assert any("one-peer-hypercube skipped" in n and "power of two" in n and "6" in n for n in d["notes"])
+
+
+def test_cli_missing_required_inputs():
+    code, _, err = run_cli(["plan", "--nodes", "2", "--params", "1M", "--compute", "10ms"])
+    assert code == 2 and "--inter-bw is required" in err
+    code, _, err = run_cli(["plan", "--params", "1M"])
+    assert code == 2 and "--compute is required" in err
+
+
+def tiny_model():
+    """``--model test_plan_cli:tiny_model`` factory: (model, example batch)."""
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), torch.randn(8, 16)
+
+
+def raising_model():
+    raise RuntimeError("no weights here")
+
+
+def test_cli_measure_is_honest_about_the_proxy():
+    code, out, _ = run_cli(MEASURE + ["--model", "test_plan_cli:tiny_model", "--device", "cpu", "--json"])
+    assert code == 0
+    d = json.loads(out)
+    assert d["inputs"]["params"] == 16 * 32 + 32 + 32 * 4 + 4
+    assert d["inputs"]["compute_sample_size"] == 2
+    assert any("LOCAL PROXY" in n for n in d["notes"]) and any("measured compute" in n for n in d["notes"])
+
+
+def test_cli_compute_sample_file(tmp_path):
+    f = tmp_path / "steps.txt"
+    f.write_text("# measured\n100ms\n0.11\n\n120ms\n")
+    code, out, _ = run_cli(EXAMPLE[:-4] + ["--compute-sample", str(f), "--no-sim", "--json"])
+    assert code == 0 and json.loads(out)["inputs"]["compute_sample_size"] == 3
+
+
+def _binary_file(tmp_path):
+    f = tmp_path / "binary.dat"
+    f.write_bytes(b"\xff\xfe\x00\x81" * 64)
+    return str(f)
+
+
+def _huge_sample(tmp_path):
+    f = tmp_path / "many.txt"
+    f.write_text("1ms\n" * (MAX_SAMPLE + 1))
+    return str(f)
+
+
+def _no_compute(argv):
+    i = argv.index("--compute")
+    return argv[:i] + argv[i + 4:]
+
+
+# (extra flags, or a function of tmp_path giving them; the flag the one-line message must name)
+BAD = [
+    (["--nodes", "1000000000"], "--nodes"),
+    (["--nodes", str(MAX_WORLD_SIZE), "--gpus-per-node", "8"], "--gpus-per-node"),
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "nan"], "--nodes"),
+    (["--nodes", "2.5"], "--nodes"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node"),
+    (lambda p: ["--compute-sample", "/"], "--compute-sample"),
+    (lambda p: ["--compute-sample", str(p / "missing.txt")], "--compute-sample"),
+    (lambda p: ["--compute-sample", "/dev/zero"], "--compute-sample"),
+    (lambda p: ["--compute-sample", _binary_file(p)], "--compute-sample"),
+    (lambda p: ["--compute-sample", _huge_sample(p)], "--compute-sample"),
+    (lambda p: ["--compute-sample", "10ms,fast"], "--compute-sample"),
+    (lambda p: ["--compute-sample", ","], "--compute-sample"),
+    (lambda p: ["--compute-sample", "10ms,1e300s"], "--compute-sample"),
+    (["--measure", "--device", "tpu:9"], "--device"),
+    (["--measure", "--device", "cuda:7"], "--device"),
+    (["--measure", "--device", "meta"], "--device"),
+    (["--measure", "--model", "no_such_module:f"], "--model"),
+    (["--measure", "--model", "os:getcwd"], "--model"),
+    (["--measure", "--model", "test_plan_cli:raising_model"], "--model"),
+    (["--measure", "--model", "nocolon"], "--model"),
+    (["--measure", "--params", "1e12"], "--params"),
+    (["--measure-iters", "1000000000"], "--measure-iters"),
+    (["--model", "test_plan_cli:tiny_model"], "--model"),
+    (["--steps", "1000000000"], "--steps"),
+    (["--steps", "0"], "--steps"),
+    (["--steps", "nan"], "--steps"),
+    (["--warmup", "500"], "--warmup"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--seed", "-1"], "--seed"),
+    (["--compute", "nan"], "--compute"),
+    (["--compute=-5ms"], "--compute"),
+    (["--compute", "inf"], "--compute"),
+    (["--compute", "1e300s"], "--compute"),
+    (["--compute-std", "1e-300s"], "--compute-std"),
+    (["--inter-bw", "0"], "--inter-bw"),
+    (["--inter-bw", "-25Gbit"], "--inter-bw"),
+    (["--inter-bw", "25Gbiz"], "--inter-bw"),
+    (["--intra-bw", "1e-300bit"], "--intra-bw"),
+    (["--latency", "nan"], "--latency"),
+    (["--params", "0"], "--params"),
+    (["--params", "lots"], "--params"),
+    (["--params", "1e300"], "--params"),
+    (["--bucket-size", "0"], "--bucket-size"),
+    (["--gap-threshold", "nan"], "--gap-threshold"),
+    (["--gap-threshold", "2"], "--gap-threshold"),
+    (["--forward-fraction", "1.5"], "--forward-fraction"),
+    (["--forward-fraction", "0.5", "--backward-fraction", "0.9"], "--forward-fraction"),
+    (["--wire-dtype", "fp7"], "--wire-dtype"),
+    (["--intra-sharing", "socket"], "--intra-sharing"),
+    (["--mode", "sync"], "--mode"),
+    (["--topologies", "moebius"], "--topologies"),
+    (["--topologies", "ring,,moebius"], "--topologies"),
+    (["--topologies", ",,"], "--topologies"),
+    (["--frobnicate"], "--frobnicate"),
+]
+
+
+@pytest.mark.parametrize("extra,flag", BAD, ids=[f"{i}-{flag}" for i, (_, flag) in enumerate(BAD)])
+def test_cli_bad_input_is_one_line_and_exit_2(extra, flag, tmp_path):
+    extra = extra(tmp_path) if callable(extra) else extra
+    base = _no_compute(EXAMPLE) if any(str(x).startswith("--compute-sample") for x in extra) else EXAMPLE
+    code, out, err = run_cli(base + extra + ["--no-sim"])
+    assert code == 2, (code, out[-300:], err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m decent_comm") and ": error: " in lines[0], err
+    assert flag in lines[0], err
+    assert out == ""
