@@ -7,8 +7,36 @@ of equal length on one device; optimizer state is float32.
 
 ``disagreement``, when given, is a 1-element float32 tensor that receives sum((mixed - x_old)^2), the
 squared distance to the neighbourhood average, computed in the same pass over memory.
+
+Refused, with a RuntimeError naming the argument, before anything is written: wrong lengths, dtypes, devices,
+layouts or shifted/shared memory; a non-finite weight or hyper-parameter, or one that overflows the math dtype
+(float32 unless x is float64); lr, eps, momentum, weight_decay < 0; betas outside [0, 1) (also once rounded to
+float32); step < 1, accum_steps < 1; and, while autograd is recording, any operand that requires grad (the ops
+have no derivative). Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept
+Parameters there; every written tensor's version counter is bumped, as torch's in-place ops do.
+
+Mixed precision without host synchronization (the optimizer ops, keyword-only, all optional, each a 1-element
+tensor on x's device):
+
+- ``grad_scale`` (float32, GradScaler's scale): the kernel unscales the gradient itself, g = grad * (1 / scale)
+  with the reciprocal rounded to float32 as ``GradScaler.unscale_`` does; ``grad`` is not modified.
+- ``found_inf`` (float32, GradScaler's flag): when != 0 (or NaN) the update is skipped: x <- mixed (the gossip
+  still happens, so ranks stay in lockstep), the optimizer state and the step count are left untouched.
+- ``state_step`` (float32 like torch.optim's ``state["step"]``, float64, or int64): the number of updates
+  applied *before* this call (0 initially), in place of the host ``step`` (pass ``step=None``). The kernel
+  computes the bias corrections (AccumAdam: the window count and flush; SGD: the first-step momentum
+  initialization) from count + 1, and the op then advances it by one unless the update was skipped. Pass the
+  same tensor again next step. Counts below 2^24 (float32), 2^53 (float64) or 2^62 (int64) are valid. On CPU
+  an invalid count (negative, fractional, NaN, past the limit) raises; on a GPU it cannot be checked without a
+  synchronization, and it turns x into NaN instead of a plausible wrong update.
+Every element of one call shares one count, so an optimizer needs one count per group of parameters with the
+same update history. On CPU grad_scale must be finite and > 0 (checked; on a GPU it is GradScaler's). Nothing
+here reads a device value on the host, so the calls capture into CUDA graphs. On a GPU a call with any of these
+is three launches: a one-thread kernel that resolves them (and advances the count), then the update kernel and
+a mix-only kernel, of which only the one found_inf selects does any work.
 """
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -20,50 +48,89 @@ _ops = torch.ops.decent_comm
 #: Most neighbours one call accepts.
 MAX_NEIGHBORS = 32
 
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _int64(name: str, value) -> int:
+    """`value` as an int64 for the op schema, refused by name when it is not an integer or does not fit."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (at most 2**63 - 1), got {v}")
+    return v
+
+
+def _step_args(step, state_step) -> int:
+    """The schema's host step: the given one, or 0 when the count comes from the device (state_step)."""
+    if state_step is None:
+        if step is None:
+            raise ValueError("step is None but no state_step was given: pass the 1-based step or a state_step tensor")
+        return _int64("step", step)
+    if step is not None:
+        raise ValueError(f"pass step=None with state_step (the device count replaces it), got step={step!r}")
+    return 0
+
+
+def _weights(weights: Sequence[float]):
+    return [float(w) for w in weights]
+
 
 def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight: float,
                 weights: Sequence[float], disagreement: Optional[torch.Tensor] = None) -> None:
     """x <- self_weight * x + sum_j weights[j] * neighbors[j]."""
-    _ops.gossip_mix_(x, list(neighbors), float(self_weight), [float(w) for w in weights], disagreement)
+    _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement)
 
 
 def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, momentum=0.0, dampening=0.0,
-             weight_decay=0.0, nesterov=False, first_step=False, disagreement=None) -> None:
+             weight_decay=0.0, nesterov=False, first_step=False, disagreement=None, *, grad_scale=None,
+             found_inf=None, state_step=None) -> None:
     """Gossip mix fused with a torch.optim.SGD step whose direction is computed at x_old (AWC):
 
     g' = g + weight_decay * x_old; b = momentum * b + (1 - dampening) * g' (b = g' on the first step);
     d = g' + momentum * b if nesterov else b (d = g' when momentum = 0);
     x <- self_weight * x_old + sum_j w_j y_j - lr * d.
+
+    ``first_step`` says the momentum buffer is uninitialized. With ``state_step`` (a device count, see the module
+    doc) the kernel decides that instead (count == 0), so an overflow-skipped first step leaves the next one
+    first; ``first_step`` must then be False.
     """
-    _ops.mix_sgd_(x, list(neighbors), float(self_weight), [float(w) for w in weights], grad, momentum_buffer,
+    _ops.mix_sgd_(x, list(neighbors), float(self_weight), _weights(weights), grad, momentum_buffer,
                   float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                  bool(first_step), disagreement)
+                  bool(first_step), disagreement, grad_scale, found_inf, state_step)
 
 
 def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, step, lr, beta1=0.9,
-              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, disagreement=None) -> None:
+              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, disagreement=None, *, grad_scale=None,
+              found_inf=None, state_step=None) -> None:
     """Gossip mix fused with a torch.optim.Adam (decoupled=False) / AdamW (decoupled=True) step.
 
-    ``step`` is the 1-based count after this update. x <- mix(x_old) - lr * (m_hat / (sqrt(v_hat) + eps)
-    [+ weight_decay * x_old if decoupled]); with no neighbours and self_weight = 1 it is one torch step.
+    ``step`` is the 1-based count after this update, or None with ``state_step``, the device count of the
+    updates applied before it (advanced by the op; see the module doc).
+    x <- mix(x_old) - lr * (m_hat / (sqrt(v_hat) + eps) [+ weight_decay * x_old if decoupled]); with no
+    neighbours and self_weight = 1 it is one torch step.
     """
-    _ops.mix_adam_(x, list(neighbors), float(self_weight), [float(w) for w in weights], grad, exp_avg,
-                   exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
-                   float(weight_decay), bool(decoupled), disagreement)
+    _ops.mix_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
+                   _step_args(step, state_step), float(lr), float(beta1), float(beta2), float(eps),
+                   float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step)
 
 
 def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, accum, step, accum_steps,
                     lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False,
-                    disagreement=None) -> None:
+                    disagreement=None, *, grad_scale=None, found_inf=None, state_step=None) -> None:
     """Gossip mix fused with an AccumAdam(W) step (Wang et al., ICLR 2025).
 
-    With K = accum_steps and k = ceil(step / K): m = b1*M + (1-b1)*g; v = b2*V + (1-b2)*g^2;
+    With K = accum_steps, t the 1-based update number (``step`` as in mix_adam_) and k = ceil(t / K):
+    m = b1*M + (1-b1)*g; v = b2*V + (1-b2)*g^2;
     x <- mix(x_old) - lr * ((m / (1-b1^k)) / (sqrt(v / (1-b2^k)) + eps) [+ decoupled decay]);
-    A += g / K; every K steps M, V absorb A (M = b1*M + (1-b1)*A, V = b2*V + (1-b2)*A^2) and A = 0.
+    A += g / K; every K updates M, V absorb A (M = b1*M + (1-b1)*A, V = b2*V + (1-b2)*A^2) and A = 0.
+    A skipped (found_inf) step does not count: it neither accumulates nor moves the window.
     """
-    _ops.mix_accum_adam_(x, list(neighbors), float(self_weight), [float(w) for w in weights], grad, exp_avg,
-                         exp_avg_sq, accum, int(step), int(accum_steps), float(lr), float(beta1),
-                         float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement)
+    _ops.mix_accum_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
+                         accum, _step_args(step, state_step), _int64("accum_steps", accum_steps), float(lr),
+                         float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
+                         grad_scale, found_inf, state_step)
 
 
 def has_cuda_kernels() -> bool:

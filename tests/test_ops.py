@@ -10,27 +10,9 @@ import decent_comm
 from decent_comm import ops
 
 from mix_reference import accum_adam64, adam64, assert_close_to_ref, mix64, sgd64
+from op_inputs import DEVICES, DTYPES, flat, gen, random_weights
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-DTYPES = {"cpu": [torch.float32, torch.bfloat16, torch.float16, torch.float64],
-          "cuda": [torch.float32, torch.bfloat16, torch.float16]}
 SIZES = [0, 1, 7, 4097, 100_003]
-
-
-def flat(n, dtype, device, offset=0, gen=None, scale=1.0):
-    """A random 1-D buffer of n elements; offset > 0 makes it a view whose data is not 16-byte aligned."""
-    base = torch.randn(n + offset, generator=gen, dtype=torch.float64) * scale
-    return base.to(device=device, dtype=dtype)[offset:]
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def random_weights(k, g):
-    w = torch.rand(k + 1, generator=g, dtype=torch.float64) + 0.1
-    w = (w / w.sum()).tolist()
-    return w[0], w[1:]
 
 
 # ---------------------------------------------------------------------------------------------- gossip_mix_
@@ -238,136 +220,44 @@ def test_no_neighbors_equals_torch_optimizer(device, kind, hp):
         torch.testing.assert_close(x, p_ref.detach(), rtol=2e-6, atol=2e-6)
 
 
-# ------------------------------------------------------------------------------------------------ bad input
-
-def _ok_args(n=16):
-    return torch.zeros(n), [torch.zeros(n)], 0.5, [0.5]
-
-
-@pytest.mark.parametrize(
-    "mutate,pattern",
-    [
-        (lambda a: a.update(ys=[torch.zeros(15)]), r"neighbors\[0\] has 15 elements but x has 16"),
-        (lambda a: a.update(ws=[0.5, 0.1]), r"1 neighbors but 2 weights"),
-        (lambda a: a.update(ys=[torch.zeros(16), torch.zeros(16, dtype=torch.bfloat16)], ws=[0.2, 0.3]),
-         r"neighbors\[1\] has dtype BFloat16 but neighbors\[0\] has Float"),
-        (lambda a: a.update(x=torch.zeros(32)[::2]), r"x must be contiguous"),
-        (lambda a: a.update(ys=[torch.zeros(32)[::2]]), r"neighbors\[0\] must be contiguous"),
-        (lambda a: a.update(x=torch.zeros(4, 4)), r"x must be a 1-D flat buffer"),
-        (lambda a: a.update(x=torch.zeros(16, dtype=torch.int32)), r"x has unsupported dtype Int"),
-        (lambda a: a.update(ys=[torch.zeros(16, device="meta")]), r"neighbors\[0\] is on meta but x is on cpu"),
-        (lambda a: a.update(ys=[torch.zeros(16)] * 33, ws=[0.01] * 33), r"at most 32 are supported"),
-        (lambda a: a.update(ws=[float("nan")]), r"weights\[0\] must be finite"),
-    ],
-)
-def test_gossip_mix_bad_input_raises_and_writes_nothing(mutate, pattern):
-    x, ys, sw, ws = _ok_args()
-    a = dict(x=x, ys=ys, sw=sw, ws=ws)
-    mutate(a)
-    before = a["x"].clone()
-    with pytest.raises(RuntimeError, match=pattern):
-        ops.gossip_mix_(a["x"], a["ys"], a["sw"], a["ws"])
-    assert torch.equal(a["x"], before)
-
-
-def test_optimizer_ops_bad_input():
-    x, ys, sw, ws = _ok_args()
-    g = torch.zeros(16)
-    st = [torch.zeros(16) for _ in range(3)]
-    with pytest.raises(RuntimeError, match="grad has 8 elements"):
-        ops.mix_sgd_(x, ys, sw, ws, torch.zeros(8), None, lr=0.1)
-    with pytest.raises(RuntimeError, match="grad has dtype BFloat16 but x has Float"):
-        ops.mix_sgd_(x, ys, sw, ws, g.bfloat16(), None, lr=0.1)
-    with pytest.raises(RuntimeError, match="momentum_buffer is required"):
-        ops.mix_sgd_(x, ys, sw, ws, g, None, lr=0.1, momentum=0.9)
-    with pytest.raises(RuntimeError, match="momentum_buffer must be float32"):
-        ops.mix_sgd_(x, ys, sw, ws, g, st[0].double(), lr=0.1, momentum=0.9)
-    with pytest.raises(RuntimeError, match="nesterov momentum requires"):
-        ops.mix_sgd_(x, ys, sw, ws, g, st[0], lr=0.1, momentum=0.0, nesterov=True)
-    with pytest.raises(RuntimeError, match="exp_avg_sq must be float32"):
-        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1].half(), 1, lr=0.1)
-    with pytest.raises(RuntimeError, match="step is the 1-based count"):
-        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1], 0, lr=0.1)
-    with pytest.raises(RuntimeError, match="beta2 must be in"):
-        ops.mix_adam_(x, ys, sw, ws, g, st[0], st[1], 1, lr=0.1, beta2=1.0)
-    with pytest.raises(RuntimeError, match="accum has 15 elements"):
-        ops.mix_accum_adam_(x, ys, sw, ws, g, st[0], st[1], torch.zeros(15), 1, 2, lr=0.1)
-    with pytest.raises(RuntimeError, match="accum_steps must be >= 1"):
-        ops.mix_accum_adam_(x, ys, sw, ws, g, *st, 1, 0, lr=0.1)
-    with pytest.raises(RuntimeError, match="disagreement must be a 1-element float32"):
-        ops.gossip_mix_(x, ys, sw, ws, disagreement=torch.zeros(2))
-    assert torch.all(x == 0) and all(torch.all(s == 0) for s in st)
-
-
-def test_shifted_or_shared_outputs_are_refused_and_nothing_is_written():
-    # The kernels read element i of every operand before writing element i, so an operand may be x
-    # itself, but a view shifted against a written buffer, or two outputs in one buffer, is refused.
-    buf = torch.randn(40)
-    x, shifted = buf[0:16], buf[1:17]
-    g = torch.randn(16)
-    m, v = torch.zeros(16), torch.zeros(16)
-    before = buf.clone()
-    with pytest.raises(RuntimeError, match=r"neighbors\[0\] partially overlaps x"):
-        ops.gossip_mix_(x, [shifted], 0.5, [0.5])
-    with pytest.raises(RuntimeError, match=r"grad partially overlaps x"):
-        ops.mix_sgd_(x, [], 1.0, [], shifted, None, lr=0.1)
-    with pytest.raises(RuntimeError, match=r"grad partially overlaps exp_avg"):
-        ops.mix_adam_(g, [], 1.0, [], buf[20:36], buf[19:35], v, 1, lr=0.1)
-    with pytest.raises(RuntimeError, match=r"x and exp_avg share memory"):
-        ops.mix_adam_(x, [], 1.0, [], g, x, v, 1, lr=0.1)
-    with pytest.raises(RuntimeError, match=r"exp_avg and exp_avg_sq share memory"):
-        ops.mix_adam_(g.clone(), [], 1.0, [], g, m, m, 1, lr=0.1)
-    with pytest.raises(RuntimeError, match=r"x and disagreement share memory"):
-        ops.gossip_mix_(x, [g], 0.5, [0.5], disagreement=buf[3:4])
-    with pytest.raises(RuntimeError, match=r"exp_avg_sq and accum share memory"):
-        ops.mix_accum_adam_(g.clone(), [], 1.0, [], g, m, v, v, 1, 2, lr=0.1)
-    assert torch.equal(buf, before) and torch.all(m == 0) and torch.all(v == 0)
-
-
-@pytest.mark.parametrize("n", [7, 4099])
-def test_x_may_be_its_own_neighbor_or_gradient(n):
-    x = torch.randn(n, dtype=torch.float64)
-    y = torch.randn(n, dtype=torch.float64)
-    expected = 0.5 * x + 0.5 * y  # 0.2 x + 0.3 x + 0.5 y
-    ops.gossip_mix_(x, [x, y], 0.2, [0.3, 0.5])
-    torch.testing.assert_close(x, expected)
-    expected = x * (1 - 0.1)
-    ops.mix_sgd_(x, [], 1.0, [], x, None, lr=0.1)
-    torch.testing.assert_close(x, expected)
-
-
-def test_float64_is_rejected_on_cuda_meta_check():
-    # float64 storage exists only on CPU; the check runs before any CUDA work, so it is testable anywhere
-    # a CUDA device exists. On CPU float64 is accepted.
-    x = torch.zeros(4, dtype=torch.float64)
-    ops.gossip_mix_(x, [torch.ones(4, dtype=torch.float64)], 0.5, [0.5])
-    assert torch.all(x == 0.5)
-    if torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="unsupported dtype Double"):
-            ops.gossip_mix_(x.cuda(), [], 1.0, [])
-
-
 # ---------------------------------------------------------------------------- registration and compile
 
+def _amp(d):
+    """GradScaler's scale and found_inf and a step count, as the optimizer ops take them (the schema's last three)."""
+    return torch.full((), 1024.0, device=d), torch.zeros((), device=d), torch.full((), 4.0, device=d)
+
+
+def _rand(d, n=37):
+    return torch.randn(n, device=d)
+
+
 OPCHECK_CASES = {
-    "gossip_mix_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d), torch.randn(37, device=d)],
-                              0.4, [0.3, 0.3]),
-    "mix_sgd_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
-                           torch.randn(37, device=d), torch.randn(37, device=d), 0.1, 0.9, 0.0, 0.01, True, False),
-    "mix_adam_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
-                            torch.randn(37, device=d), torch.zeros(37, device=d), torch.zeros(37, device=d), 1,
-                            0.01, 0.9, 0.999, 1e-8, 0.01, True),
-    "mix_accum_adam_": lambda d: (torch.randn(37, device=d), [torch.randn(37, device=d)], 0.5, [0.5],
-                                  torch.randn(37, device=d), torch.zeros(37, device=d), torch.zeros(37, device=d),
-                                  torch.zeros(37, device=d), 2, 2, 0.01, 0.9, 0.999, 1e-8, 0.01, False),
+    "gossip_mix_": ("gossip_mix_", lambda d: (_rand(d), [_rand(d), _rand(d)], 0.4, [0.3, 0.3])),
+    "mix_sgd_": ("mix_sgd_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d), _rand(d), 0.1, 0.9, 0.0, 0.01,
+                                        True, False)),
+    "mix_sgd_-amp": ("mix_sgd_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d), _rand(d), 0.1, 0.9, 0.0,
+                                            0.01, True, False, None, *_amp(d))),
+    "mix_adam_": ("mix_adam_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d), torch.zeros(37, device=d),
+                                          torch.zeros(37, device=d), 1, 0.01, 0.9, 0.999, 1e-8, 0.01, True)),
+    "mix_adam_-amp": ("mix_adam_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d), torch.zeros(37, device=d),
+                                              torch.zeros(37, device=d), 0, 0.01, 0.9, 0.999, 1e-8, 0.01, True, None,
+                                              *_amp(d))),
+    "mix_accum_adam_": ("mix_accum_adam_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d),
+                                                      torch.zeros(37, device=d), torch.zeros(37, device=d),
+                                                      torch.zeros(37, device=d), 2, 2, 0.01, 0.9, 0.999, 1e-8, 0.01,
+                                                      False)),
+    "mix_accum_adam_-amp": ("mix_accum_adam_", lambda d: (_rand(d), [_rand(d)], 0.5, [0.5], _rand(d),
+                                                          torch.zeros(37, device=d), torch.zeros(37, device=d),
+                                                          torch.zeros(37, device=d), 0, 2, 0.01, 0.9, 0.999, 1e-8,
+                                                          0.01, False, torch.zeros(1, device=d), *_amp(d))),
 }
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", sorted(OPCHECK_CASES))
-def test_opcheck(device, name):
-    op = getattr(torch.ops.decent_comm, name).default
-    torch.library.opcheck(op, OPCHECK_CASES[name](device))
+@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
+def test_opcheck(device, case):
+    name, make_args = OPCHECK_CASES[case]
+    torch.library.opcheck(getattr(torch.ops.decent_comm, name).default, make_args(device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -385,6 +275,37 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(out, ref)
     for a, b in zip(args, eager_args):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_with_amp_scalars(device):
+    """GradScaler's tensors and the device step count trace into one graph (no data-dependent Python)."""
+    def step(x, grad, m, v, grad_scale, found_inf, count):
+        ops.mix_adam_(x, [], 1.0, [], grad, m, v, None, 0.01, grad_scale=grad_scale, found_inf=found_inf,
+                      state_step=count)
+        return x + 1
+
+    n = 129
+    args = [torch.randn(n, device=device) for _ in range(2)] + [torch.zeros(n, device=device) for _ in range(2)]
+    args += [torch.full((), 2.0 ** 10, device=device), torch.zeros((), device=device), torch.zeros((), device=device)]
+    eager_args = [a.clone() for a in args]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for found in [0.0, 1.0, 0.0]:  # an overflow step in the middle
+        for a in (args, eager_args):
+            a[5].fill_(found)
+        torch.testing.assert_close(compiled(*args), step(*eager_args))
+    for a, b in zip(args, eager_args):
+        torch.testing.assert_close(a, b)
+    assert float(args[-1]) == 2.0
+
+
+def test_misuse_is_refused_while_tracing_too():
+    """The fake (Meta) kernel runs the same checks, so a compiled call refuses what an eager one does."""
+    def step(x, grad, m, v):
+        ops.mix_adam_(x, [], 1.0, [], grad, m, v, 1, 0.01, eps=-1e-8)
+
+    with pytest.raises(Exception, match=r"eps must be >= 0"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(*[torch.zeros(8) for _ in range(4)])
 
 
 def test_cuda_kernels_registered_in_cuda_build():

@@ -65,7 +65,7 @@ struct Typed {
   void update(const Hyper<M>& h, int64_t i, M x_old, M mixed) const {
     M s[kMaxState];
     for (int q = 0; q < Update::kNumState; ++q) s[q] = M(state[q][i]);
-    const M g = Update::kHasGrad ? static_cast<M>(grad[i]) : M(0);
+    const M g = Update::kHasGrad ? unscale_grad(h, static_cast<M>(grad[i])) : M(0);
     x[i] = static_cast<XT>(Update::apply(h, x_old, mixed, g, s));
     for (int q = 0; q < Update::kNumState; ++q) state[q][i] = float(s[q]);
   }
@@ -216,18 +216,24 @@ void dispatch_x(const FusedOperands& o, const HyperParams& hp) {
 }  // namespace
 
 void run_fused_cpu(UpdateKind kind, const FusedOperands& o, const HyperParams& hp) {
+  // The device scalars are CPU memory here: read once, before any write (op_call.cpp keeps them apart from the outputs).
+  HyperParams call;
+  const bool update = resolve_update(hp, o.scalars, call);
   if (o.numel == 0) {
     if (o.disagreement) *o.disagreement = 0.f;
-    return;
+  } else if (!update) {
+    dispatch_x<MixUpdate>(o, call);  // found_inf: x <- mixed; the state is not touched
+  } else {
+    switch (kind) {
+      case UpdateKind::Mix: dispatch_x<MixUpdate>(o, call); break;
+      case UpdateKind::Sgd: dispatch_x<SgdUpdate>(o, call); break;
+      case UpdateKind::SgdMomentum: dispatch_x<SgdMomentumUpdate>(o, call); break;
+      case UpdateKind::Adam: dispatch_x<AdamUpdate>(o, call); break;
+      case UpdateKind::AccumAdam: dispatch_x<AccumAdamUpdate>(o, call); break;
+      default: throw std::invalid_argument("decent_comm: unknown update kind");
+    }
   }
-  switch (kind) {
-    case UpdateKind::Mix: return dispatch_x<MixUpdate>(o, hp);
-    case UpdateKind::Sgd: return dispatch_x<SgdUpdate>(o, hp);
-    case UpdateKind::SgdMomentum: return dispatch_x<SgdMomentumUpdate>(o, hp);
-    case UpdateKind::Adam: return dispatch_x<AdamUpdate>(o, hp);
-    case UpdateKind::AccumAdam: return dispatch_x<AccumAdamUpdate>(o, hp);
-  }
-  throw std::invalid_argument("decent_comm: unknown update kind");
+  advance_count(o.scalars);
 }
 
 }  // namespace decent_comm

@@ -1,242 +1,54 @@
-// CUDA kernels of the fused gossip-mix ops. Includes only the CUDA runtime and the shared math header
-// (never torch headers: nvcc spends minutes on those).
-//
-// Each thread handles VEC consecutive elements with 16-byte loads/stores of x (VEC = 16 / sizeof(x)),
-// the neighbours, the gradient and the float32 state, in a grid-stride loop with int64 indices; the
-// last numel % VEC elements are done one by one by the same kernel. When any pointer is not aligned to
-// its vector width (e.g. a view at an odd storage offset) the launcher picks the VEC = 1 instantiation.
-// Neighbour counts 1 and 2 (one-peer and ring topologies) are compile-time constants so the loop over
-// neighbours unrolls; other counts use a runtime loop.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <mutex>
-
-#include "../kernels/fused_launch.h"
+// The CUDA entry point of the fused ops (run_fused_cuda) and the kernels that take their hyper-parameters as
+// arguments; the device-scalar kernels are instantiated in fused_mix_resolved.cu. GradScaler's scale and found_inf
+// and a device step count (device_scalars.h) are resolved by a one-thread kernel queued first, so no call needs
+// the host.
+#include "fused_kernels.cuh"
 
 namespace decent_comm {
+namespace cuda_kernels {
+
+// fused_mix_resolved.cu: launch_update<true>, the kernels reading a ResolvedUpdate.
+int launch_resolved_update(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, Gate g, int device,
+                           cudaStream_t stream);
+
 namespace {
 
-constexpr int kThreads = 256;
-
-template <DType D> struct GpuStorage;
-template <> struct GpuStorage<DType::Float32> {
-  using type = float;
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float store(float v) { return v; }
-};
-// Half-precision storage is handled as raw 16-bit patterns so the vector structs stay trivial.
-template <> struct GpuStorage<DType::BFloat16> {
-  using type = unsigned short;
-  static __device__ __forceinline__ float load(unsigned short v) { return __uint_as_float(unsigned(v) << 16); }
-  static __device__ __forceinline__ unsigned short store(float v) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));  // round to nearest even, as c10::BFloat16
-  }
-};
-template <> struct GpuStorage<DType::Float16> {
-  using type = unsigned short;
-  static __device__ __forceinline__ float load(unsigned short v) { return __half2float(__ushort_as_half(v)); }
-  static __device__ __forceinline__ unsigned short store(float v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
-  return *reinterpret_cast<const Vec<T, N>*>(p);
-}
-template <typename T, int N>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
-  *reinterpret_cast<Vec<T, N>*>(p) = v;
-}
-
-struct KernelArgs {
-  int64_t numel;
-  void* x;
-  const void* neighbors[kMaxNeighbors];
-  float weights[kMaxNeighbors];
-  float self_weight;
-  int num_neighbors;
-  const void* grad;
-  float* state[kMaxState];
-  float* disagreement;
-};
-
-// Processes W consecutive elements starting at `base`; returns sum((mixed - x_old)^2) over them.
-template <DType XD, DType ND, int K, int W, typename Update>
-__device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>& h, int64_t base) {
-  using XS = GpuStorage<XD>;
-  using NS = GpuStorage<ND>;
-  using XT = typename XS::type;
-  using NT = typename NS::type;
-  XT* const x = static_cast<XT*>(a.x);
-  const Vec<XT, W> xv = load_vec<XT, W>(x + base);
-  float x_old[W], mixed[W];
-#pragma unroll
-  for (int e = 0; e < W; ++e) {
-    x_old[e] = XS::load(xv.v[e]);
-    mixed[e] = a.self_weight * x_old[e];
-  }
-  const int k = K >= 0 ? K : a.num_neighbors;
-#pragma unroll 4
-  for (int j = 0; j < k; ++j) {
-    const Vec<NT, W> yv = load_vec<NT, W>(static_cast<const NT*>(a.neighbors[j]) + base);
-    const float w = a.weights[j];
-#pragma unroll
-    for (int e = 0; e < W; ++e) mixed[e] += w * NS::load(yv.v[e]);
-  }
-  float sq = 0.f;
-  if (a.disagreement != nullptr) {
-#pragma unroll
-    for (int e = 0; e < W; ++e) sq += (mixed[e] - x_old[e]) * (mixed[e] - x_old[e]);
-  }
-  Vec<XT, W> gv;
-  if (Update::kHasGrad) gv = load_vec<XT, W>(static_cast<const XT*>(a.grad) + base);
-  Vec<float, W> sv[Update::kNumState > 0 ? Update::kNumState : 1];
-#pragma unroll
-  for (int q = 0; q < Update::kNumState; ++q) sv[q] = load_vec<float, W>(a.state[q] + base);
-  Vec<XT, W> out;
-#pragma unroll
-  for (int e = 0; e < W; ++e) {
-    float s[kMaxState];
-#pragma unroll
-    for (int q = 0; q < Update::kNumState; ++q) s[q] = sv[q].v[e];
-    const float g = Update::kHasGrad ? XS::load(gv.v[e]) : 0.f;
-    out.v[e] = XS::store(Update::apply(h, x_old[e], mixed[e], g, s));
-#pragma unroll
-    for (int q = 0; q < Update::kNumState; ++q) sv[q].v[e] = s[q];
-  }
-  store_vec<XT, W>(x + base, out);
-#pragma unroll
-  for (int q = 0; q < Update::kNumState; ++q) store_vec<float, W>(a.state[q] + base, sv[q]);
-  return sq;
-}
-
-template <DType XD, DType ND, int K, int VEC, typename Update>
-__global__ void __launch_bounds__(kThreads)
-    fused_mix_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ Hyper<float> h) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t num_vec = a.numel / VEC;
-  float sq = 0.f;
-  for (int64_t v = tid; v < num_vec; v += stride) sq += process<XD, ND, K, VEC, Update>(a, h, v * VEC);
-  if (VEC > 1) {
-    for (int64_t i = num_vec * VEC + tid; i < a.numel; i += stride) sq += process<XD, ND, K, 1, Update>(a, h, i);
-  }
-  if (a.disagreement != nullptr) {
-    // Block reduction: warp shuffles, then one partial per warp in shared memory, one atomic per block.
-    __shared__ float warp_sums[kThreads / 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sq += __shfl_down_sync(0xffffffffu, sq, off);
-    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sq;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-      atomicAdd(a.disagreement, total);
-    }
-  }
-}
-
-int sm_count() {
-  // Queried per device once; a process may drive several devices.
-  static int counts[64] = {};
-  static std::mutex mu;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 108;
-  std::lock_guard<std::mutex> lock(mu);
-  if (counts[device] == 0) {
-    int c = 0;
-    if (cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || c <= 0) c = 108;
-    counts[device] = c;
-  }
-  return counts[device];
-}
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-template <DType XD, DType ND, int K, int VEC, typename Update>
-int launch(const KernelArgs& a, const Hyper<float>& h, cudaStream_t stream) {
-  const int64_t items = (a.numel + VEC - 1) / VEC;
-  const int64_t wanted = (items + kThreads - 1) / kThreads;
-  const int64_t cap = int64_t(sm_count()) * (2048 / kThreads);  // one full wave of resident blocks
-  const unsigned blocks = unsigned(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
-  fused_mix_kernel<XD, ND, K, VEC, Update><<<blocks, kThreads, 0, stream>>>(a, h);
-  return int(cudaGetLastError());
-}
-
-template <DType XD, DType ND, typename Update>
-int launch_typed(const FusedOperands& o, const HyperParams& hp, cudaStream_t stream) {
-  KernelArgs a{};
-  a.numel = o.numel;
-  a.x = o.x;
-  a.num_neighbors = o.num_neighbors;
-  for (int j = 0; j < o.num_neighbors; ++j) {
-    a.neighbors[j] = o.neighbors[j];
-    a.weights[j] = float(o.weights[j]);
-  }
-  a.self_weight = float(o.self_weight);
-  a.grad = o.grad;
-  for (int q = 0; q < kMaxState; ++q) a.state[q] = o.state[q];
-  a.disagreement = o.disagreement;
-  const Hyper<float> h(hp);
-
-  constexpr int VEC = 16 / sizeof(typename GpuStorage<XD>::type);
-  bool vec_ok = aligned(o.x, 16) && (!Update::kHasGrad || aligned(o.grad, 16));
-  for (int j = 0; j < o.num_neighbors; ++j)
-    vec_ok = vec_ok && aligned(o.neighbors[j], VEC * sizeof(typename GpuStorage<ND>::type));
-  for (int q = 0; q < Update::kNumState; ++q) vec_ok = vec_ok && aligned(o.state[q], VEC * sizeof(float));
-  if (!vec_ok) return launch<XD, ND, -1, 1, Update>(a, h, stream);
-  switch (o.num_neighbors) {
-    case 1: return launch<XD, ND, 1, VEC, Update>(a, h, stream);
-    case 2: return launch<XD, ND, 2, VEC, Update>(a, h, stream);
-    default: return launch<XD, ND, -1, VEC, Update>(a, h, stream);
-  }
-}
-
-template <DType XD, typename Update>
-int dispatch_neighbor(const FusedOperands& o, const HyperParams& hp, cudaStream_t s) {
-  switch (o.neighbor_dtype) {
-    case DType::Float32: return launch_typed<XD, DType::Float32, Update>(o, hp, s);
-    case DType::BFloat16: return launch_typed<XD, DType::BFloat16, Update>(o, hp, s);
-    case DType::Float16: return launch_typed<XD, DType::Float16, Update>(o, hp, s);
-    default: return int(cudaErrorInvalidValue);
-  }
-}
-
-template <typename Update>
-int dispatch_x(const FusedOperands& o, const HyperParams& hp, cudaStream_t s) {
-  switch (o.x_dtype) {
-    case DType::Float32: return dispatch_neighbor<DType::Float32, Update>(o, hp, s);
-    case DType::BFloat16: return dispatch_neighbor<DType::BFloat16, Update>(o, hp, s);
-    case DType::Float16: return dispatch_neighbor<DType::Float16, Update>(o, hp, s);
-    default: return int(cudaErrorInvalidValue);
-  }
+// Resolves an optimizer call's device scalars once, for the update kernel queued behind it, and advances the count:
+// this thread is the only reader of the count, so the update can move it at once.
+__global__ void resolve_kernel(const HyperParams hp, const DeviceScalars s, ResolvedUpdate* out) {
+  HyperParams p;
+  const bool update = resolve_update(hp, s, p);
+  out->hyper = Hyper<float>(update ? p : hp);
+  out->skip = update ? 0 : 1;
+  advance_count(s);
 }
 
 }  // namespace
+}  // namespace cuda_kernels
 
-int run_fused_cuda(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, void* stream_ptr) {
+int run_fused_cuda(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, int device, void* stream_ptr,
+                   ResolvedUpdate* resolved) {
+  using namespace cuda_kernels;
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return int(err);
+  if (current != device) return int(cudaErrorInvalidDevice);  // the occupancy query would describe another GPU
   if (o.disagreement != nullptr) {
     // The kernel accumulates block partials atomically, so the output starts from zero.
-    const cudaError_t err = cudaMemsetAsync(o.disagreement, 0, sizeof(float), stream);
+    err = cudaMemsetAsync(o.disagreement, 0, sizeof(float), stream);
     if (err != cudaSuccess) return int(err);
   }
-  if (o.numel == 0) return int(cudaSuccess);
-  switch (kind) {
-    case UpdateKind::Mix: return dispatch_x<MixUpdate>(o, hp, stream);
-    case UpdateKind::Sgd: return dispatch_x<SgdUpdate>(o, hp, stream);
-    case UpdateKind::SgdMomentum: return dispatch_x<SgdMomentumUpdate>(o, hp, stream);
-    case UpdateKind::Adam: return dispatch_x<AdamUpdate>(o, hp, stream);
-    case UpdateKind::AccumAdam: return dispatch_x<AccumAdamUpdate>(o, hp, stream);
+  if (kind == UpdateKind::Mix || !o.scalars.any()) {
+    return o.numel == 0 ? int(cudaSuccess) : launch_update<false>(kind, o, hp, Gate{}, device, stream);
   }
-  return int(cudaErrorInvalidValue);
+  if (resolved == nullptr) return int(cudaErrorInvalidValue);
+  resolve_kernel<<<1, 1, 0, stream>>>(hp, o.scalars, resolved);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || o.numel == 0) return int(err);
+  const int applied = launch_resolved_update(kind, o, hp, Gate{resolved, false}, device, stream);
+  if (applied != 0) return applied;
+  return launch_resolved_update(UpdateKind::Mix, o, hp, Gate{resolved, true}, device, stream);
 }
 
 const char* cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -32,8 +32,9 @@ enum class DType : int { Float32 = 0, BFloat16 = 1, Float16 = 2, Float64 = 3 };
 
 enum class UpdateKind : int { Mix = 0, Sgd = 1, SgdMomentum = 2, Adam = 3, AccumAdam = 4 };
 
-// Hyper-parameters of every update, filled on the host in double precision. Bias corrections are
-// precomputed here (once per call, not per element), as torch.optim does on the host.
+// Hyper-parameters of every update, filled on the host in double precision. The step-dependent ones (bias
+// corrections, the AccumAdam flush, SGD's first step) come from set_step_count: on the host once per call, as
+// torch.optim does, or in the kernel when the count lives in device memory (device_scalars.h).
 struct HyperParams {
   double lr = 0, weight_decay = 0;
   // SGD
@@ -41,33 +42,51 @@ struct HyperParams {
   bool nesterov = false, first_step = false;
   // Adam / AccumAdam
   double beta1 = 0, beta2 = 0, eps = 0;
-  double step_size = 0;  // lr / (1 - beta1^t)   (t = step, or the window count k for AccumAdam)
-  double bc2_sqrt = 1;   // sqrt(1 - beta2^t)
+  double step_size = 0;  // lr / (1 - beta1^k)   (k = the step t, or the window count for AccumAdam)
+  double bc2_sqrt = 1;   // sqrt(1 - beta2^k)
   bool decoupled = false;
-  // AccumAdam
-  double accum_steps = 1;  // K
-  bool flush = false;      // t % K == 0: fold the accumulated gradient into M and V
+  // AccumAdam (1 for every other update, which makes the window count k equal to t)
+  int64_t accum_steps = 1;  // K
+  bool flush = false;       // t % K == 0: fold the accumulated gradient into M and V
+  // AMP: gradients are multiplied by this (1 / GradScaler's scale, rounded to float32 as GradScaler.unscale_ does)
+  double inv_grad_scale = 1;
 };
+
+// Fills the step-dependent hyper-parameters of update number t >= 1. Adam's bias corrections count the updates;
+// AccumAdam's count the windows k = ceil(t / K), since M and V move once per window (K = 1 gives k = t). Integer
+// arithmetic throughout, so any t up to 2^63 - 1 is exact (t + K - 1 would overflow there).
+DC_HD void set_step_count(HyperParams& p, int64_t t) {
+  const int64_t k = t / p.accum_steps + (t % p.accum_steps != 0 ? 1 : 0);
+  p.step_size = p.lr / (1 - ::pow(p.beta1, double(k)));
+  p.bc2_sqrt = ::sqrt(1 - ::pow(p.beta2, double(k)));
+  p.flush = t % p.accum_steps == 0;
+  p.first_step = t == 1;
+}
 
 // The same hyper-parameters, cast once to the opmath type the kernel computes in.
 // The flags are folded into coefficients here (l2_decay, decoupled_decay) so the per-element formulas
 // have no branches the CPU vectorizer would have to give up on.
 template <typename M>
 struct Hyper {
-  M lr, weight_decay, momentum, dampening, beta1, beta2, eps, step_size, bc2_sqrt, accum_steps;
+  M lr, weight_decay, momentum, dampening, beta1, beta2, eps, step_size, bc2_sqrt, accum_steps, inv_grad_scale;
   M l2_decay;         // weight_decay folded into the gradient (Adam, AccumAdam), else 0
   M decoupled_decay;  // lr * weight_decay applied to x_old (AdamW, AccumAdamW), else 0
   bool nesterov, first_step, flush;
 
   Hyper() = default;
-  explicit Hyper(const HyperParams& p)
+  DC_HD explicit Hyper(const HyperParams& p)
       : lr(M(p.lr)), weight_decay(M(p.weight_decay)), momentum(M(p.momentum)),
         dampening(M(p.dampening)), beta1(M(p.beta1)), beta2(M(p.beta2)), eps(M(p.eps)),
         step_size(M(p.step_size)), bc2_sqrt(M(p.bc2_sqrt)), accum_steps(M(p.accum_steps)),
-        l2_decay(p.decoupled ? M(0) : M(p.weight_decay)),
+        inv_grad_scale(M(p.inv_grad_scale)), l2_decay(p.decoupled ? M(0) : M(p.weight_decay)),
         decoupled_decay(p.decoupled ? M(p.lr * p.weight_decay) : M(0)),
         nesterov(p.nesterov), first_step(p.first_step), flush(p.flush) {}
 };
+
+// The gradient an update sees: the stored one, unscaled (a multiplication by 1 when there is no GradScaler, which
+// leaves every value, NaN and infinities included, as it was).
+template <typename M>
+DC_HD M unscale_grad(const Hyper<M>& h, M g) { return g * h.inv_grad_scale; }
 
 DC_HD float dc_sqrt(float v) { return ::sqrtf(v); }
 DC_HD double dc_sqrt(double v) { return ::sqrt(v); }
@@ -116,7 +135,10 @@ struct AdamUpdate {
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
     g = g + h.l2_decay * x_old;
-    const M m = s[0] + (M(1) - h.beta1) * (g - s[0]);  // torch: exp_avg.lerp_(g, 1 - beta1)
+    // torch: exp_avg.lerp_(g, 1 - beta1), in lerp's form for weights < 0.5. (torch switches to the form exact at
+    // weight 1 from 0.5 on; here that costs 3-8 registers in the half-precision kernels, so for beta1 <= 0.5 and
+    // |g| << |exp_avg| m carries an absolute error of an ulp of exp_avg.)
+    const M m = s[0] + (M(1) - h.beta1) * (g - s[0]);
     const M v = h.beta2 * s[1] + (M(1) - h.beta2) * g * g;
     s[0] = m;
     s[1] = v;
@@ -145,22 +167,6 @@ struct AccumAdamUpdate {
     s[2] = h.flush ? M(0) : a;
     return x;
   }
-};
-
-// Everything a kernel needs to run one op over one flat buffer, as plain pointers (no torch types),
-// shared by the CPU and CUDA launchers.
-struct FusedOperands {
-  int64_t numel = 0;
-  void* x = nullptr;
-  DType x_dtype = DType::Float32;
-  int num_neighbors = 0;
-  const void* neighbors[kMaxNeighbors] = {};
-  DType neighbor_dtype = DType::Float32;
-  double self_weight = 1;
-  double weights[kMaxNeighbors] = {};
-  const void* grad = nullptr;          // same dtype as x
-  float* state[kMaxState] = {};        // float32 optimizer state
-  float* disagreement = nullptr;       // optional: receives sum((mixed - x_old)^2)
 };
 
 }  // namespace decent_comm
