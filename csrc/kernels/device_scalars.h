@@ -6,6 +6,7 @@
 // Shared by the CPU and CUDA kernels, like fused_math.h, and free of torch headers for the same reason.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -64,7 +65,7 @@ DC_HD bool resolve_update(const HyperParams& host, const DeviceScalars& s, Hyper
     if (applied >= 0) {
       set_step_count(out, applied + 1);
     } else {
-      out.lr = out.step_size = std::numeric_limits<double>::quiet_NaN();
+      out.lr = out.step_size = NAN;  // NAN, not numeric_limits: callable on the device without --expt-relaxed-constexpr
     }
   }
   return true;
