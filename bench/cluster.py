@@ -56,6 +56,9 @@ WORKLOAD_DEFAULTS = {
     "synthetic": {"script_flags": ["--params", "250k", "--compute-ms", "100"], "comm_bw": "50Mbit"},
     # The default byte-level GPT (2 layers, d_model 128: 0.43M parameters = 1.7 MB), batch 8 per rank.
     "lm": {"script_flags": ["--batch-size", "8", "--eval-tokens", "16384"], "comm_bw": "50Mbit"},
+    # examples/train_classifier.py: the digits CNN (width 16: 38k parameters = 0.15 MB), batch 16 per rank;
+    # compute is a few ms, so 10 Mbit/s makes it communication-bound as the LM is at 50.
+    "digits": {"script_flags": ["--batch-size", "16"], "comm_bw": "10Mbit"},
 }
 
 
@@ -308,7 +311,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="synthetic workload, 4x1, topologies one-peer-exp, aer, ring, 30 steps (~3 min)")
-    p.add_argument("--workloads", default="synthetic,lm", help="comma-separated: synthetic, lm")
+    p.add_argument("--workloads", default="synthetic,lm", help="comma-separated: synthetic, lm, digits")
     p.add_argument("--layouts", default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
     p.add_argument("--topologies", default=None,
                    help="decentralized topologies to run (default one-peer-exp,aer,ring,exp; --quick: without exp)")

@@ -47,7 +47,7 @@ from decent_train.loop import Stopwatch, train_step
 from decent_train.loop import run as run_training  # not `run`: main() loops over the plan's runs as `run`
 from decent_train.strategy import Strategy, torch_optimizer
 
-WORKLOADS = ("lm", "synthetic")   # modules of decent_train.workloads
+WORKLOADS = ("lm", "synthetic", "digits")   # modules of decent_train.workloads
 
 
 def workload_module(name: str):

@@ -68,6 +68,12 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                         "Smaller than --nproc_per_node emulates several nodes on one machine")
     g.add_argument("--consensus", type=consensus_value, default=1.0,
                    help="consensus factor a in W -> (1-a) I + a W, or 'adaptive' (a follows the lr schedule after warmup)")
+    g.add_argument("--gossip-every", type=int, default=1,
+                   help="decentralized: gossip every k-th step, local steps between (gossip_every; with --topology "
+                        "complete: periodic averaging, one all-reduce of the parameters every k-th step)")
+    g.add_argument("--warmup-steps", type=int, default=0,
+                   help="decentralized: all-reduce the gradients for the first N steps (DDP's update), then gossip "
+                        "(warmup_steps; not the lr warmup, which is --warmup)")
     g.add_argument("--bf16-wire", action="store_true",
                    help="send parameters (decentralized) or gradients (allreduce, DDP bf16 compress hook) as bfloat16")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to this)")

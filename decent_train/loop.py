@@ -168,6 +168,8 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
             do_ckpt = args.checkpoint and (step % args.checkpoint_every == 0 or step == args.steps)
             if not (do_log or do_ckpt):
                 continue
+            if do_eval or do_ckpt:
+                strategy.drain()  # evaluation and checkpoints synchronize: charge the exchange in flight to training
             seconds = watch.stop()
             progress.train_time += seconds
             interval.seconds += seconds

@@ -28,6 +28,12 @@ class Strategy:
         DDP replicas are identical already)."""
         return self.optimizer.global_average() if self.decentralized else contextlib.nullcontext()
 
+    def drain(self):
+        """Completes the communication in flight (decentralized), so that a stopwatch stopped now charges it to
+        training: evaluation would otherwise complete it off the clock (a collective)."""
+        if self.decentralized:
+            self.optimizer.synchronize()
+
     def consensus_distance(self) -> float:
         return self.optimizer.consensus_distance() if self.decentralized else 0.0
 
@@ -99,7 +105,8 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     local = args.local_world_size if args.local_world_size is not None else env.local_world_size
     topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=local)
     options = dict(topology=topology, mode=args.mode, consensus=_consensus(args), model=model,
-                   comm_dtype=torch.bfloat16 if args.bf16_wire else None)
+                   comm_dtype=torch.bfloat16 if args.bf16_wire else None, gossip_every=args.gossip_every,
+                   warmup_steps=args.warmup_steps)
     if name in FUSED:
         cls = getattr(decent_comm, FUSED[name][0])
         kw = dict(lr=args.lr, weight_decay=args.weight_decay, **options)
