@@ -156,8 +156,11 @@ class GossipSchedule:
         if self.check_finite:
             for k, y in enumerate(bufs):
                 if not torch.isfinite(y).all():
-                    who = f"the all-reduce among ranks {list(plan.group)}" if plan.group is not None else \
-                        f"rank {plan.recv[k]}"
+                    # A group's sum cannot tell who sent what, but this rank's own part was finite (checked in
+                    # launch(), which raised otherwise), so the culprit is one of the others.
+                    others = [r for r in plan.group if r != self.rank] if plan.group is not None else []
+                    who = (f"the all-reduce among ranks {list(plan.group)} (this rank sent finite values: one of "
+                           f"ranks {others} did not)") if plan.group is not None else f"rank {plan.recv[k]}"
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
         return bufs
