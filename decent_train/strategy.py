@@ -57,6 +57,8 @@ class Strategy:
     def shutdown(self):
         if self.decentralized:
             self.optimizer.shutdown()
+        else:  # DDP's Reducer holds the process group: let go of it, so close_distributed() really destroys it
+            self.forward_module = None
 
 
 def torch_optimizer(cls, params, args):

@@ -44,7 +44,15 @@ class ProcessGroupTransport final : public Transport {
   void wait(TransportSlot& slot) override;
   void synchronize() override {}  // wait() already blocked until every transfer completed
   void abort() noexcept override {}  // nothing to stop; unfinished slots keep their buffers alive
-  void shutdown() override {}     // the process group belongs to the caller
+  // Everything completed: drop our references to the group (it belongs to the caller). Held on, they would
+  // keep the gloo backend and its worker threads alive after dist.destroy_process_group() for as long as
+  // the Exchanger lives (an optimizer in a reference cycle: until the interpreter's final GC), and a gloo
+  // worker still releasing a finished collective's tensors needs the GIL; once Python finalizes, that
+  // thread is killed inside a noexcept destructor: std::terminate (issue #14.1).
+  void shutdown() override {
+    backend_.reset();
+    pg_.reset();
+  }
 
  private:
   // Posts a receive (is_send false) or send of `tensor` on `tag`, appending it to `pending`.
@@ -58,7 +66,7 @@ class ProcessGroupTransport final : public Transport {
   // For a timeout message: did this operation finish (probed for at most ~1 ms)?
   bool finished_soon(const c10::intrusive_ptr<c10d::Work>& work) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive (until shutdown())
   c10::intrusive_ptr<c10d::Backend> backend_;
   c10::Device device_;
   int rank_;

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .._native import _C
+from . import _closing
 from .arrival import wait_for_ranks
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
@@ -164,6 +165,21 @@ class Exchanger(_C._Exchanger):
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
         super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)
         self.process_group = group
+        _closing.track(self)  # closed when collected or at exit if nobody shut it down (see _closing)
+        self._tracked = True
+
+    def __del__(self):
+        # Before the native destructor, which could only abandon what is in flight (and warn). Only once the
+        # native object exists: if __init__ raised before, calling into it would dereference nothing.
+        if self.__dict__.get("_tracked") and not self.closed:
+            _closing.close_on_collect(self)
+
+    def shutdown(self):
+        """Completes what is in flight and releases the transport (idempotent; after an error it aborts
+        instead). The process group is no longer referenced afterwards, so dist.destroy_process_group()
+        can really destroy it (and join its backend's threads) while this object lives on."""
+        super().shutdown()
+        self.process_group = None
 
     def __enter__(self) -> "Exchanger":
         return self

@@ -36,6 +36,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _closing
 from .arrival import group_timeout_s, wait_for_ranks
 from .roster import Roster
 from .exchanger import ExchangeError, ExchangeTimeout, _timeout_ms
@@ -79,6 +80,12 @@ class GroupAllReduce:
         self._error: Optional[str] = None
         self._closed = False
         self.bytes_sent = 0
+        _closing.track(self)  # closed when collected or at exit if nobody shut it down (see _closing)
+
+    def __del__(self):
+        # Completes all-reduces still in flight, so no gloo worker still runs one for a dead owner.
+        if not getattr(self, "_closed", True):
+            _closing.close_on_collect(self)
 
     # ------------------------------------------------------------------------------------------- checks
 
@@ -164,9 +171,20 @@ class GroupAllReduce:
         return list(self._work)
 
     def shutdown(self):
-        """Completes what is in flight (nothing after an error) and closes; idempotent."""
+        """Completes what is in flight (nothing after an error), destroys the groups this object created, and
+        closes; idempotent."""
         if self._closed:
             return
         if self._error is None:
             self.wait_all()
+            # Ours (dist.new_group in __init__), so destroyed here: that joins their gloo worker threads now,
+            # while the interpreter is alive, instead of leaving them to whoever ends the process (a worker
+            # still releasing a finished all-reduce's tensors needs the GIL; see exchange/_closing.py).
+            for pg in self._pgs.values():
+                if dist.is_initialized():  # else destroy_process_group() already destroyed every group
+                    try:
+                        dist.destroy_process_group(pg)
+                    except ValueError:  # no longer registered (the default group was destroyed and recreated)
+                        pass
+        self._pgs = {}
         self._closed = True

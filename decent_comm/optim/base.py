@@ -56,7 +56,7 @@ class DecentralizedMixin:
         self.rank, self.world_size = distributed_context(process_group)
         topology = resolve_topology(topology, self.world_size)
         self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
-        self._ddp_guard = DDPGuard(self._buckets, model)
+        self._ddp_guard = DDPGuard(self, self._buckets, model)
         self._num_groups = len(self.param_groups)
         self._closure, self._closure_loss = None, None
         self._model = model

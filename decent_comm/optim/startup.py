@@ -5,6 +5,7 @@ start-up checks that every rank holds the same replica and configuration."""
 import datetime
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -159,13 +160,14 @@ _DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, w
 
 class DDPGuard:
     """Refuses a model left wrapped in DDP: at construction when it is passed as `model=`, else at its first
-    forward (a global forward pre-hook that removes itself at the optimizer's first step())."""
+    forward (a global forward pre-hook, removed at the optimizer's first step() or with the optimizer)."""
 
-    def __init__(self, buckets, model=None):
+    def __init__(self, owner, buckets, model=None):
         self._ours = {id(s.param) for b in buckets for s in b.slots}
         if isinstance(model, DistributedDataParallel):
             raise RuntimeError(_DDP_MESSAGE)
         self._handle = register_module_forward_pre_hook(self._hook)
+        weakref.finalize(owner, self._handle.remove)
 
     def _hook(self, module, args):
         if isinstance(module, DistributedDataParallel) and any(id(p) in self._ours for p in module.parameters()):

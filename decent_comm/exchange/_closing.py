@@ -1,0 +1,79 @@
+"""Closing exchangers their owner never shut down: when the owner drops them, and at interpreter exit.
+
+An exchanger left open still has the last step's transfers in flight (an optimizer launches the next
+exchange at the end of every step). Destroyed like that, the native Exchanger can only keep their buffers
+alive forever and warn. And whatever still runs on gloo's threads once Python finalizes is dangerous: a gloo
+worker that releases a finished collective's tensors needs the GIL (their Python objects), and CPython ends a
+thread that asks for the GIL during finalization with pthread_exit, whose unwinding through a noexcept
+destructor is std::terminate ("terminate called without an active exception", issue #14.1).
+
+So every Exchanger and GroupAllReduce registers here when it is created, and is drained and closed
+(``shutdown()``, which also lets go of the process group) either when it is garbage collected (``__del__``:
+an optimizer local to ``main()`` dies when ``main`` returns, or later in a cyclic collection) or, if still
+alive then, by an atexit hook. Draining is safe at both points: every rank launched the same exchange, so
+each transfer in flight has its matching one posted on the peer.
+
+The atexit hook is registered when the first exchanger is created, i.e. after torch and the process group
+are set up, so it runs before every atexit hook registered earlier (atexit is LIFO; torch registers none
+that tears process groups down) and while the process group and the interpreter are fully alive. It drains
+nothing when the interpreter is exiting because of an uncaught exception (peers may never post their side;
+the native destructor then keeps the buffers alive and says so).
+"""
+import atexit
+import logging
+import sys
+import threading
+import weakref
+
+import torch.distributed as dist
+
+if dist.is_available():
+    # Imported now, while (as a rule) no process group exists yet. Its functions' defaults ``group=group.WORLD``
+    # are evaluated at import; imported after init_process_group (via torch._dynamo, which torch imports lazily:
+    # in the first torch.optim.Optimizer's add_param_group, in DDP's constructor) they pin the default group for
+    # good, so destroy_process_group() could never destroy it: gloo's threads would live into finalization.
+    import torch.distributed.nn.functional  # noqa: F401
+
+log = logging.getLogger("decent_comm")
+
+_lock = threading.Lock()
+_open = []           # weak references to the exchangers created so far, in creation order
+_registered = False
+
+
+def track(exchanger) -> None:
+    """Registers `exchanger` (an object with ``shutdown()``) to be closed at exit if it is still open."""
+    global _registered
+    with _lock:
+        _open[:] = [r for r in _open if r() is not None]
+        _open.append(weakref.ref(exchanger))
+        if not _registered:
+            atexit.register(_close_all_at_exit)
+            _registered = True
+
+
+def close_quietly(exchanger, when: str) -> None:
+    """``exchanger.shutdown()``; a failure (a peer died) is logged, never raised (``__del__``, atexit)."""
+    try:
+        exchanger.shutdown()
+    except Exception as e:  # noqa: BLE001 - at exit or in __del__ there is nobody to raise to
+        log.warning("decent_comm: closing %s %s failed: %s", type(exchanger).__name__, when, e)
+
+
+def close_on_collect(exchanger) -> None:
+    """For ``__del__``: drain and close unless the interpreter is already finalizing (then the atexit hook
+    has run: the exchanger was left open because the process is dying of an exception)."""
+    if sys.is_finalizing():
+        return
+    close_quietly(exchanger, "when it was garbage collected")
+
+
+def _close_all_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return  # dying of an uncaught exception: do not wait for peers that may never answer
+    with _lock:
+        alive = [r() for r in _open]
+        _open.clear()
+    for exchanger in alive:  # creation order, the same on every rank
+        if exchanger is not None:
+            close_quietly(exchanger, "at exit")
