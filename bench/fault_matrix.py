@@ -4,12 +4,13 @@ bench/results/fault_matrix.{json,md} (docs/reliability.md explains them).
 
     python bench/fault_matrix.py [--timeout 5] [--scenarios dead,silent,...] [--paths p2p,group] [--modes awc,atc]
 
-Faults (decent_train/faults/scenarios.py): dead (rank 1 exits mid-training), silent (rank 1 stops stepping),
-late (rank 1 builds its optimizer timeout + 3 s late), options (rank 1 sets comm_dtype / accum_steps /
-broadcast_init / check_finite differently), size (rank 1's parameters, then one bucket, differ in size), exit (a
-torchrun job whose script ends without shutdown() or destroy_process_group), nan (rank 1's loss is NaN at step 3,
-check_finite=True), and nan-unchecked (the same without check_finite: observed, not judged). The ranks keep the
-process group's default timeout (30 min): every error within seconds comes from the optimizer's `timeout`.
+Faults (decent_train/faults/scenarios.py): dead (rank 1 exits mid-training), silent (rank 1 stops stepping;
+silent-warmup: the same during the warm-up's gradient all-reduces), late (rank 1 builds its optimizer timeout + 3 s
+late), options (rank 1 sets comm_dtype / accum_steps / broadcast_init / check_finite differently), size (rank 1's
+parameters, then one bucket, differ in size), exit (a torchrun job whose script ends without shutdown() or
+destroy_process_group), nan (rank 1's loss is NaN at step 3, check_finite=True), and nan-unchecked (the same without
+check_finite: observed, not judged). The ranks keep the process group's default timeout (30 min): every error within
+seconds comes from the optimizer's `timeout`.
 """
 
 import argparse
@@ -21,7 +22,7 @@ from decent_train import REPO_ROOT
 from decent_train.faults.launch import launch
 from decent_train.faults.verdict import judge, summarize
 
-SCENARIOS = ["dead", "silent", "late", "options", "size", "exit", "nan"]
+SCENARIOS = ["dead", "silent", "silent-warmup", "late", "options", "size", "exit", "nan"]
 WORLD_SIZE = 3
 
 
@@ -41,9 +42,12 @@ def run_cell(scenario, path, mode, timeout, deadline_s):
         return dict(scenario=scenario, path=path, mode=mode, wall_s=wall, first_nonfinite_step=firsts, errors=errors,
                     exit_codes=[o.returncode for o in outcomes])
     v = judge(scenario, path, timeout, outcomes)
+    # Seconds from the end of a rank's scenario (its error caught) to its process exit: not judged by the issue,
+    # but a survivor that cannot exit while its peer is stuck is worth seeing (docs/reliability.md).
+    exit_lag = {o.rank: round(o.exited_at - o.record["t_end"], 1) for o in outcomes if "t_end" in o.record}
     return dict(scenario=scenario, path=path, mode=mode, wall_s=wall, tried=v.tried, clear=v.clear, max_s=v.max_s,
                 signal_deaths=v.signal_deaths, hung=v.hung, problems=v.problems, passed=v.passed,
-                exit_codes=[o.returncode for o in outcomes],
+                exit_codes=[o.returncode for o in outcomes], exit_lag_s=exit_lag,
                 messages={o.rank: [(a["what"], a.get("message")) for a in o.record.get("attempts", [])]
                           for o in outcomes})
 
@@ -51,11 +55,13 @@ def run_cell(scenario, path, mode, timeout, deadline_s):
 def tables(cells, timeout):
     judged = [c for c in cells if "tried" in c]
     lines = [f"timeout = {timeout:g} s; bound: timeout + 5 = {timeout + 5:g} s", "",
-             "| fault | path | mode | tried | clear error | max s to error | signal deaths | hung | job wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| fault | path | mode | tried | clear error | max s to error | signal deaths | hung | job wall s | "
+             "max s error to exit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in judged:
+        lag = max(c["exit_lag_s"].values()) if c["exit_lag_s"] else None
         lines.append(f"| {c['scenario']} | {c['path']} | {c['mode']} | {c['tried']} | {c['clear']} | "
-                     f"{_fmt_s(c['max_s'])} | {c['signal_deaths']} | {c['hung']} | {c['wall_s']:.0f} |")
+                     f"{_fmt_s(c['max_s'])} | {c['signal_deaths']} | {c['hung']} | {c['wall_s']:.0f} | {_fmt_s(lag)} |")
     lines += ["", "| fault | jobs | tried | clear error | max s to error (all live ranks) | signal deaths | hung |",
               "|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(c["scenario"] for c in judged):
@@ -87,6 +93,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "fault_matrix"))
     args = parser.parse_args()
     cells = []
+    load_at_start = os.getloadavg()[0]
     started = time.monotonic()
     for scenario in args.scenarios.split(","):
         for path in args.paths.split(","):
@@ -98,7 +105,8 @@ def main():
                       + "".join(f"\n    {p}" for p in c.get("problems", [])), flush=True)
     text = tables(cells, args.timeout)
     total = time.monotonic() - started
-    text += f"\n\n{len(cells)} jobs in {total:.0f} s (load average at the end: {os.getloadavg()[0]:.1f})"
+    text += (f"\n\n{len(cells)} jobs in {total:.0f} s (load average: {load_at_start:.1f} at the start, "
+             f"{os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs)")
     print("\n" + text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -55,8 +55,9 @@ class BoundedAllReduce:
             detail = str(e)
         everyone = list(range(self.world_size))
         if time.monotonic() - started + 0.01 >= self.timeout:
-            error = ExchangeTimeout(f"decent_comm: {what}: the all-reduce over ranks {everyone} did not complete within "
-                                    f"{self.timeout * 1e3:.0f} ms{self._roster.blame(everyone)}; transport: {detail}")
+            error = ExchangeTimeout(f"decent_comm: {what}: the all-reduce over ranks {everyone} did not complete "
+                                    f"within {self.timeout * 1e3:.0f} ms{self._roster.blame(everyone)}; transport: "
+                                    f"{detail}")
         else:
             error = ExchangeError(f"decent_comm: {what}: the all-reduce over ranks {everyone} failed"
                                   f"{self._roster.blame(everyone)}: {detail}")

@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from .. import ops
 from ..exchange import GossipExchange
+from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .startup import timeout_seconds
 from .tracing import traced
 
 log = logging.getLogger("decent_comm")
@@ -69,9 +71,14 @@ class GossipSchedule:
         if world_size > 1:
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout, wire_dtype=comm_dtype,
                                            groups=self.groups.all_groups if self.groups is not None else ())
+        # The whole-group all-reduces inside step() (warm-up gradients, adaptive statistics) raise within
+        # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
+        self.all_reduce = None
+        if world_size > 1 and (cadence.warmup_steps > 0 or isinstance(topology, Adaptive)):
+            self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout))
         self.adaptive = None
         if isinstance(topology, Adaptive):
-            self.adaptive = AdaptiveDriver(topology, process_group, world_size, self.device, lr)
+            self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
             if self.groups is not None:  # what each candidate really moves per step
                 topology.costs = [self.groups.buffers_per_rank(i, world_size) for i in range(len(topology.candidates))]
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
@@ -115,10 +122,10 @@ class GossipSchedule:
     @torch.no_grad()
     def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
         for b in self.buckets:
-            dist.all_reduce(b.grad, group=self.process_group)
+            self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
             b.grad.div_(self.world_size)
         if found_inf is not None:
-            dist.all_reduce(found_inf, group=self.process_group)
+            self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
     # -------------------------------------------------------------------------------------- communication
 

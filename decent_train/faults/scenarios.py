@@ -7,7 +7,8 @@ fault (``t_fault``, written by the faulty rank) to each live rank's error can be
            "group" topology "complete" on 3 ranks: each step is one all-reduce of the 3 (exchange="auto")
     mode   "awc" | "atc"
 
-Scenarios: dead, silent, late, options, size, exit, nan, nan-unchecked (see SCENARIOS and docs/reliability.md).
+Scenarios: dead, silent, silent-warmup, late, options, size, exit, nan, nan-unchecked (see SCENARIOS and
+docs/reliability.md).
 """
 
 import os
@@ -83,9 +84,9 @@ def train(ctx, model, opt, steps, start=0, nan_at=None, sync=True):
         opt.synchronize()
 
 
-def _mid_training(ctx, fault):
+def _mid_training(ctx, fault, **overrides):
     model = make_model()
-    opt = build(ctx, model)
+    opt = build(ctx, model, **overrides)
     train(ctx, model, opt, WARM_STEPS)
     if ctx.faulty:
         fault()
@@ -104,6 +105,15 @@ def silent(ctx):
         ctx.mark_fault()
         time.sleep(ctx.timeout + 8)
     _mid_training(ctx, stall)
+
+
+def silent_warmup(ctx):
+    """As silent, during the warm-up (warmup_steps: each step all-reduces the gradients over every rank, a
+    blocking whole-group all-reduce instead of the gossip)."""
+    def stall():
+        ctx.mark_fault()
+        time.sleep(ctx.timeout + 8)
+    _mid_training(ctx, stall, warmup_steps=WARM_STEPS + TRAIN_STEPS)
 
 
 def late(ctx):
@@ -198,5 +208,5 @@ def nan_unchecked(ctx):
     ctx.record["first_nonfinite_step"] = first_bad
 
 
-SCENARIOS = {"dead": dead, "silent": silent, "late": late, "options": options, "size": size,
-             "exit": exit_without_shutdown, "nan": nan, "nan-unchecked": nan_unchecked}
+SCENARIOS = {"dead": dead, "silent": silent, "silent-warmup": silent_warmup, "late": late, "options": options,
+             "size": size, "exit": exit_without_shutdown, "nan": nan, "nan-unchecked": nan_unchecked}

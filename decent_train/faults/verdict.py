@@ -30,8 +30,8 @@ def _named(path, p2p, group):
 def expected(scenario: str, path: str, rank: int) -> List[Expect]:
     """What `rank` must see in `scenario` on `path` (empty: nothing judged on this rank)."""
     faulty = rank == FAULTY
-    if scenario in ("dead", "silent"):
-        kind = "ExchangeTimeout" if scenario == "silent" else "ExchangeError"
+    if scenario in ("dead", "silent", "silent-warmup"):
+        kind = "ExchangeError" if scenario == "dead" else "ExchangeTimeout"
         return [] if faulty else [Expect("train after the fault", kind, [f"rank {FAULTY}"])]
     if scenario == "late":
         words = ["this rank (rank 1) arrived after"] if faulty else ["rank 1 did not arrive"]

@@ -3,9 +3,10 @@
 
 It imports torch._dynamo first: torch.optim.Optimizer imports it lazily when the first optimizer is built, which
 takes 2 s on an idle machine and 20 s on a loaded one, and would otherwise skew the ranks' arrival at the
-optimizer's construction (which waits `timeout` for the slowest) by that much. It joins the job with `dist.init_process_group("gloo")` and the process group's default timeout (30 min), so every
-error it sees within seconds comes from the optimizer's own `timeout`, runs the scenario, writes its record to
-DIR/rank<r>.json and ends like a script whose main returned: no opt.shutdown(), no destroy_process_group.
+optimizer's construction (which waits `timeout` for the slowest) by that much. It joins the job with
+`dist.init_process_group("gloo")` and the process group's default timeout (30 min), so every error it sees within
+seconds comes from the optimizer's own `timeout`, runs the scenario, writes its record to DIR/rank<r>.json and ends
+like a script whose main returned: no opt.shutdown(), no destroy_process_group.
 """
 
 import argparse
