@@ -136,6 +136,14 @@ class GroupAllReduce:
             raise self._fail(problem)
         self._agreed[(bucket, g)] = header
 
+    def flag_nonfinite(self, bucket: int, step: int):
+        """check_finite: this rank is about to send non-finite values of `bucket` at `step` (before exchange())."""
+        self._roster.flag(f"nonfinite/{bucket}/{step}")
+
+    def nonfinite_senders(self, bucket: int, step: int, group: Sequence[int]) -> list:
+        """The members of `group` that flagged non-finite values of `bucket` at `step`: the sum cannot tell."""
+        return self._roster.flagged(f"nonfinite/{bucket}/{step}", group)
+
     def wait(self, bucket: int):
         """Blocks until the bucket's sum is in recvs[0]; a no-op once that happened (wait_all, synchronize)."""
         self._usable("wait")

@@ -1,7 +1,8 @@
 """What ranks tell each other through the default group's store, beside their collectives: a bucket's size and
-dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), and, once a collective failed,
-which members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name
-the rank that is dead or stuck and not only the group.
+dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), once a collective failed, which
+members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name the
+rank that is dead or stuck and not only the group, and which member sent non-finite values into a sum
+(``flag``/``flagged``, for check_finite), which the sum itself cannot tell.
 
 Both go through the store rather than the groups: a header all-gathered on a group could meet another member's
 data all-reduce (gloo then aborts the process), and a failed group carries nothing any more. Keys live under the
@@ -10,7 +11,7 @@ namespace of the owner's construction (exchange.arrival), the same on every rank
 from __future__ import annotations
 
 import datetime
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -78,3 +79,18 @@ class Roster:
             return ""
         return (f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
                 "likely cause: it died, is stuck, or runs another schedule)") if absent else ""
+
+    def flag(self, what: str):
+        """Marks `what` (e.g. "nonfinite/<bucket>/<step>") as true of this rank. Called before the collective it
+        concerns is issued, so a member that sees that collective complete also sees the mark."""
+        try:
+            self._store().set(f"{self.namespace}/flag/{what}/{self.rank}", "1")
+        except dist.DistError:  # the store is gone: the error then names the group only
+            pass
+
+    def flagged(self, what: str, g: Sequence[int]) -> List[int]:
+        """The members of `g` that marked `what` ([] when none did, or the store cannot tell)."""
+        try:
+            return [r for r in g if self._store().check([f"{self.namespace}/flag/{what}/{r}"])]
+        except dist.DistError:
+            return []

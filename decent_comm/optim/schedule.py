@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..exchange import GossipExchange
+from ..exchange.arrival import ranks_text
 from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
@@ -141,6 +142,9 @@ class GossipSchedule:
         """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
         `made_by`: the optimizer step whose update produced the buffers (for check_finite's message)."""
         bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
+        if bad and plan.group is not None and self.exchange is not None and not plan.silent:
+            for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
+                self.exchange.groups.flag_nonfinite(i, plan.step)
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
@@ -163,14 +167,20 @@ class GossipSchedule:
         if self.check_finite:
             for k, y in enumerate(bufs):
                 if not torch.isfinite(y).all():
-                    # A group's sum cannot tell who sent what, but this rank's own part was finite (checked in
-                    # launch(), which raised otherwise), so the culprit is one of the others.
-                    others = [r for r in plan.group if r != self.rank] if plan.group is not None else []
-                    who = (f"the all-reduce among ranks {list(plan.group)} (this rank sent finite values: one of "
-                           f"ranks {others} did not)") if plan.group is not None else f"rank {plan.recv[k]}"
+                    who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
         return bufs
+
+    def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
+        # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
+        # rank's own part was finite (launch() raised otherwise), so the culprit is one of the others.
+        senders = self.exchange.groups.nonfinite_senders(b.index, plan.step, plan.group)
+        others = [r for r in plan.group if r != self.rank]
+        return f"the all-reduce among ranks {list(plan.group)} (" + (
+            f"{ranks_text(senders)} sent non-finite values)" if senders else
+            f"this rank sent finite values and none of ranks {others} flagged any: the sum itself likely "
+            "overflowed)")
 
     def awc_plan(self) -> MixPlan:
         """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""
