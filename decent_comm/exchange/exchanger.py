@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .._native import _C
 from . import _closing
+from .arrival import wait_for_ranks
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
 
@@ -77,11 +78,13 @@ def _check_max_ctas(nccl_max_ctas):
         raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
 
 
-def _agree_on_arguments(group, problem: Optional[Exception]):
+def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int):
     """Raises on every rank of `group` if any rank refused its arguments (`problem`): construction is all or
-    nothing, so no rank keeps an exchanger (or has used up a tag channel) that another rank lacks."""
+    nothing, so no rank keeps an exchanger (or has used up a tag channel) that another rank lacks. The ranks
+    first meet within the timeout (ms; <= 0: the group's own), or all raise ExchangeTimeout naming the absent."""
     world_size = dist.get_world_size(group)
     if world_size > 1:
+        wait_for_ranks(group, timeout_ms / 1000.0 if timeout_ms > 0 else None, "creating an Exchanger")
         verdicts = [None] * world_size
         dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
                                group=group)
@@ -143,7 +146,7 @@ class Exchanger(_C._Exchanger):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Exchanger: torch.distributed is not initialized (call dist.init_process_group)")
         group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-        transport, problem = None, None
+        transport, problem, timeout_ms = None, None, -1
         try:  # everything that can refuse this rank's arguments, before any rank commits to anything
             device = _resolve_device(device, group)
             timeout_ms = _timeout_ms(timeout)
@@ -157,7 +160,7 @@ class Exchanger(_C._Exchanger):
                 transport = _C._process_group_transport(group, device)
         except (ValueError, TypeError, RuntimeError) as exc:
             problem = exc
-        _agree_on_arguments(group, problem)
+        _agree_on_arguments(group, problem, timeout_ms)
         if use_nccl:  # collective itself, so only once every rank is known to get here
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
         super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)

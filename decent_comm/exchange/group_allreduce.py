@@ -13,6 +13,16 @@ Same contract and error family as the point-to-point ``Exchanger``:
     ga.exchange(bucket, send, recvs, group)   # recvs[0] <- sum over `group` of every member's send; at once
     ga.wait(bucket); ga.wait_all(); ga.synchronize(); ga.bytes_sent; ga.shutdown()
 
+Members must agree on a bucket: the same number of elements and the same dtype. The first time a bucket is
+exchanged in a group, and again after its size or dtype changed, ``exchange`` swaps that (numel, dtype) with
+the other members through the default group's store before any data moves (so that call blocks until they
+reached the same exchange): gloo aborts the whole process on an all-reduce whose sizes differ ("Received data
+size doesn't match expected size"), and nothing would check it in NCCL. A difference raises ``ExchangeError``
+on every member, naming the bucket, the group and each member's side, and nothing is sent; a member that does
+not reach the agreement within ``timeout`` makes it raise ``ExchangeTimeout`` naming that member. The
+agreement goes through the store, not the group, so that a member that renegotiates while another goes
+straight to the data (a size changed on one rank only) never has a header met by an all-reduce: both time out.
+
 A member that exits raises ``ExchangeError``; one that does not answer within ``timeout`` raises
 ``ExchangeTimeout`` naming the bucket and the group. Either makes the object unusable: every later call
 raises ``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` and leave it usable.
@@ -27,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from . import _closing
+from .arrival import group_timeout_s, wait_for_ranks
+from .roster import Roster
 from .exchanger import ExchangeError, ExchangeTimeout, _timeout_ms
 
 Group = Tuple[int, ...]
@@ -52,6 +64,11 @@ class GroupAllReduce:
         self.timeout = None if ms < 0 else datetime.timedelta(milliseconds=ms)
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
         backend = dist.get_backend(process_group)
+        # dist.new_group waits for every rank of the default group for the group's own timeout (gloo: 30 min).
+        namespace = wait_for_ranks(None, None if self.timeout is None else self.timeout.total_seconds(),
+                                   "creating the group all-reduce")
+        self._roster = Roster(namespace, self.rank)
+        self._agreed: Dict[Tuple[int, Group], Tuple[int, torch.dtype]] = {}  # (bucket, group) -> (numel, dtype)
         self._pgs: Dict[Group, object] = {}
         for g in sorted({tuple(sorted(int(r) for r in g)) for g in groups}):
             if len(g) < 2 or not all(0 <= r < self.world_size for r in g):
@@ -101,6 +118,8 @@ class GroupAllReduce:
         if total.numel() != send.numel() or total.device != send.device:
             raise ValueError(where + f"recvs[0] has {total.numel()} elements on {total.device}, send "
                              f"{send.numel()} on {send.device}")
+        if self._agreed.get((bucket, g)) != (total.numel(), total.dtype):
+            self._agree(bucket, g, (total.numel(), total.dtype))
         total.copy_(send)  # summed in place, in the receive buffer's dtype (the wire dtype)
         try:
             work = dist.all_reduce(total, group=self._pgs[g], async_op=True)
@@ -109,6 +128,21 @@ class GroupAllReduce:
                                            f"ranks {list(g)} failed: {e}")) from e
         self._work[bucket] = (work, g, time.monotonic())
         self.bytes_sent += 2 * (len(g) - 1) * total.numel() * total.element_size() // len(g)
+
+    def _agree(self, bucket: int, g: Group, header: Tuple[int, torch.dtype]):
+        seconds = self.timeout.total_seconds() if self.timeout is not None else group_timeout_s(self._pgs[g])
+        problem = self._roster.agree(bucket, g, f"{header[0]} elements of {header[1]}", seconds)
+        if problem is not None:
+            raise self._fail(problem)
+        self._agreed[(bucket, g)] = header
+
+    def flag_nonfinite(self, bucket: int, step: int):
+        """check_finite: this rank is about to send non-finite values of `bucket` at `step` (before exchange())."""
+        self._roster.flag(f"nonfinite/{bucket}/{step}")
+
+    def nonfinite_senders(self, bucket: int, step: int, group: Sequence[int]) -> list:
+        """The members of `group` that flagged non-finite values of `bucket` at `step`: the sum cannot tell."""
+        return self._roster.flagged(f"nonfinite/{bucket}/{step}", group)
 
     def wait(self, bucket: int):
         """Blocks until the bucket's sum is in recvs[0]; a no-op once that happened (wait_all, synchronize)."""
@@ -124,13 +158,13 @@ class GroupAllReduce:
             if self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
                 raise self._fail(ExchangeTimeout(
                     f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} "
-                    f"ms in the all-reduce among ranks {list(g)} (a member died, is stuck, or runs another "
-                    f"schedule); transport: {e}")) from e
+                    f"ms in the all-reduce among ranks {list(g)}{self._roster.blame(g)}; transport: {e}")) from e
             raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
-                                           f"{list(g)} failed (a member may have exited or failed): {e}")) from e
+                                           f"{list(g)} failed{self._roster.blame(g)}: {e}")) from e
         if ok is False:
             raise self._fail(ExchangeTimeout(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
-                                             f"{list(g)} did not complete within {self.timeout}"))
+                                             f"{list(g)} did not complete within {self.timeout}"
+                                             f"{self._roster.blame(g)}"))
 
     def wait_all(self):
         self._usable("wait_all")

@@ -10,7 +10,6 @@ import logging
 from typing import Callable, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..topology import Adaptive, AdaptStats
 
@@ -33,10 +32,12 @@ def sum_scalars(vals: List[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class AdaptiveDriver:
-    def __init__(self, topology: Adaptive, process_group, world_size: int, device: torch.device,
+    def __init__(self, topology: Adaptive, all_reduce: Optional[Callable], world_size: int, device: torch.device,
                  lr: Callable[[], float]):
+        """`all_reduce(tensor, what)`: the schedule's whole-group sum (exchange.BoundedAllReduce, held to the
+        optimizer's timeout); None at world size 1."""
         self.topology = topology
-        self.process_group = process_group
+        self._all_reduce = all_reduce
         self.world_size = world_size
         self.device = device
         self._lr = lr
@@ -91,8 +92,8 @@ class AdaptiveDriver:
     def _collect(self, step: int) -> AdaptStats:
         """One all-reduce of the four local scalars: every rank gets the same statistics."""
         local = self._local_stats()
-        if self.world_size > 1:
-            dist.all_reduce(local, group=self.process_group)
+        if self._all_reduce is not None:
+            self._all_reduce(local, f"the adaptive topology's statistics at step {step}")
         total, count, step_sq, lr = local.tolist()
         n = self.world_size
         self._sum, self._count, self._step_sq = None, 0.0, None

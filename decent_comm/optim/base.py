@@ -63,8 +63,9 @@ class DecentralizedMixin:
         if self.world_size > 1:
             config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
                                     mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
-                                    bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps)
-            verify_replicas(config, process_group, self.world_size)
+                                    bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps,
+                                    broadcast_init=broadcast_init, check_finite=check_finite)
+            verify_replicas(config, process_group, self.world_size, timeout)
             if broadcast_init:
                 broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(

@@ -22,11 +22,14 @@ import torch.distributed as dist
 
 from .. import ops
 from ..exchange import GossipExchange
+from ..exchange.arrival import ranks_text
+from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .startup import timeout_seconds
 from .tracing import traced
 
 log = logging.getLogger("decent_comm")
@@ -69,9 +72,14 @@ class GossipSchedule:
         if world_size > 1:
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout, wire_dtype=comm_dtype,
                                            groups=self.groups.all_groups if self.groups is not None else ())
+        # The whole-group all-reduces inside step() (warm-up gradients, adaptive statistics) raise within
+        # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
+        self.all_reduce = None
+        if world_size > 1 and (cadence.warmup_steps > 0 or isinstance(topology, Adaptive)):
+            self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout))
         self.adaptive = None
         if isinstance(topology, Adaptive):
-            self.adaptive = AdaptiveDriver(topology, process_group, world_size, self.device, lr)
+            self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
             if self.groups is not None:  # what each candidate really moves per step
                 topology.costs = [self.groups.buffers_per_rank(i, world_size) for i in range(len(topology.candidates))]
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
@@ -115,10 +123,10 @@ class GossipSchedule:
     @torch.no_grad()
     def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
         for b in self.buckets:
-            dist.all_reduce(b.grad, group=self.process_group)
+            self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
             b.grad.div_(self.world_size)
         if found_inf is not None:
-            dist.all_reduce(found_inf, group=self.process_group)
+            self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
     # -------------------------------------------------------------------------------------- communication
 
@@ -134,6 +142,9 @@ class GossipSchedule:
         """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
         `made_by`: the optimizer step whose update produced the buffers (for check_finite's message)."""
         bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
+        if bad and plan.group is not None and self.exchange is not None and not plan.silent:
+            for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
+                self.exchange.groups.flag_nonfinite(i, plan.step)
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
@@ -156,11 +167,20 @@ class GossipSchedule:
         if self.check_finite:
             for k, y in enumerate(bufs):
                 if not torch.isfinite(y).all():
-                    who = f"the all-reduce among ranks {list(plan.group)}" if plan.group is not None else \
-                        f"rank {plan.recv[k]}"
+                    who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
         return bufs
+
+    def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
+        # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
+        # rank's own part was finite (launch() raised otherwise), so the culprit is one of the others.
+        senders = self.exchange.groups.nonfinite_senders(b.index, plan.step, plan.group)
+        others = [r for r in plan.group if r != self.rank]
+        return f"the all-reduce among ranks {list(plan.group)} (" + (
+            f"{ranks_text(senders)} sent non-finite values)" if senders else
+            f"this rank sent finite values and none of ranks {others} flagged any: the sum itself likely "
+            "overflowed)")
 
     def awc_plan(self) -> MixPlan:
         """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""

@@ -14,6 +14,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
+from ..exchange.arrival import wait_for_ranks
 
 
 def distributed_context(process_group):
@@ -25,11 +26,16 @@ def distributed_context(process_group):
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
+def timeout_seconds(timeout):
+    """The `timeout` option in seconds (None stays None: the process group's own timeout)."""
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+
+
 def check_options(*, timeout, comm_dtype):
     """Options that are only used once there are peers, checked at any world size (a script that works on one
     rank must not fail on the first multi-rank run)."""
     if timeout is not None:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        seconds = timeout_seconds(timeout)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
                 or seconds <= 0:
             raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
@@ -124,9 +130,12 @@ def _difference(name, mine, ref) -> str:
     return f"{name} is {mine!r} but on rank 0 it is {ref!r}"
 
 
-def verify_replicas(config: dict, process_group, world_size: int):
+def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
     """Every rank gathers every rank's `config` (replica_config) and raises the same error naming the first
-    rank and the first option that differ from rank 0, so no rank goes on to exchange mismatched buffers."""
+    rank and the first option that differ from rank 0, so no rank goes on to exchange mismatched buffers.
+    The first collective of a construction: the ranks first meet within `timeout` (seconds; None: the group's
+    own), else every rank raises ExchangeTimeout naming the ranks that did not come (exchange.arrival)."""
+    wait_for_ranks(process_group, timeout_seconds(timeout), "building the optimizer")
     everyone = [None] * world_size
     dist.all_gather_object(everyone, config, group=process_group)
     ref = everyone[0]

@@ -1,0 +1,108 @@
+"""A bounded arrival barrier: every rank of a group reaches the same point within `timeout`, or every rank
+raises ``ExchangeTimeout`` naming the ranks that did not arrive in time.
+
+    wait_for_ranks(group, timeout, what)   # collective over `group`; timeout in seconds, None: the group's own
+
+Why it exists: the start-up collectives of the optimizers and exchangers (all_gather_object, broadcast,
+dist.new_group) wait for the process group's own timeout - 30 minutes for gloo's default - so a rank that builds
+its optimizer late, or never, stalled the others for half an hour and then failed without naming anyone. The
+first collective of every construction is this barrier instead, bounded by the caller's `timeout`; the
+collectives after it start when every rank is known to be there.
+
+It runs on the store the default process group was created with, not on a collective, so that a rank that gives
+up leaves nothing posted in a backend (a gloo collective abandoned by a timed-out wait keeps the group's worker
+thread busy until the group's own timeout, 30 min), works the same for gloo and NCCL groups and touches no
+device, and can name who is missing. Per call: one set, one add and one wait per rank; the names are only
+looked up on a timeout.
+
+Protocol (keys under decent_comm/arrival/<group>/<n>, n counting this group's barriers, the same on every rank):
+a rank sets rank<r>, then adds 1 to `count`; the rank whose add makes it world_size sets `done`; the others wait
+for `done`. A rank whose wait times out adds POISON to `count`. The store orders every add, so the first
+poisoner sees exactly how many had arrived before anyone gave up: all of them (then the barrier succeeded and it
+returns) or not (it writes the `verdict` naming the missing ranks, and raises). Later poisoners follow that
+verdict, and a rank arriving after the first poison sees POISON in its own add and raises at once, saying the
+others gave up on it. So every rank ends the same way, except in one race that still ends in an error: a rank
+that sees `done` before a slower rank's poison lands keeps going, and its next collective then finds that rank
+gone (the optimizer's next step raises within its own timeout).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._native import _C
+
+# The exchange layer's error family (exchanger.py re-exports them; imported from _C here, as exchanger.py imports
+# this module).
+ExchangeError, ExchangeTimeout = _C.ExchangeError, _C.ExchangeTimeout
+
+POISON = 1 << 32   # added by a rank that gives up; world sizes stay far below it (the topology layer: <= 2**24)
+_VERDICT_WAIT = datetime.timedelta(seconds=60)  # for the first poisoner's verdict: it writes it right after its add
+_calls: Dict[str, int] = {}
+
+
+def group_timeout_s(group) -> float:
+    """The timeout `group` was created with, in seconds (what a collective on it waits for)."""
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
+    return _C._process_group_timeout_ms(group, device) / 1000.0
+
+
+def ranks_text(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
+    """Returns once every rank of `group` (None: the default group) has called it, or raises ExchangeTimeout on
+    every rank, naming the ranks that did not arrive within `timeout` seconds (None: the group's own timeout).
+    `what` names the point in the messages ("building the optimizer"). Returns a store key prefix that is the
+    same on every rank and unique to this call (for what the caller keeps in the store afterwards)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    name = group.group_name
+    seq = _calls[name] = _calls.get(name, 0) + 1
+    base = f"decent_comm/arrival/{name}/{seq}"
+    if world_size == 1:
+        return base
+    seconds = group_timeout_s(group) if timeout is None else float(timeout)
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.set(f"{base}/rank{rank}", "1")
+        count = store.add(f"{base}/count", 1)
+        if count >= POISON:
+            verdict = _verdict(store, base)
+            raise ExchangeTimeout(f"decent_comm: {what}: this rank (rank {rank}) arrived after the other ranks had "
+                                  f"stopped waiting for it ({verdict})")
+        if count == world_size:
+            store.set(f"{base}/done", "1")
+            return base
+        try:
+            store.wait([f"{base}/done"], datetime.timedelta(seconds=seconds))
+            return base
+        except dist.DistStoreError:  # timed out (the store's own failures raise again below)
+            pass
+        count = store.add(f"{base}/count", POISON)
+        if count // POISON > 1:  # another rank gave up first: its verdict is everyone's
+            verdict = _verdict(store, base)
+            if not verdict:
+                return base
+        elif count % POISON == world_size:  # everyone had arrived before anyone gave up
+            store.set(f"{base}/verdict", "")
+            return base
+        else:
+            missing = [r for r in range(world_size) if not store.check([f"{base}/rank{r}"])]
+            verdict = (f"{ranks_text(missing)} did not arrive within {seconds:g} s" if missing else
+                       f"{world_size - count % POISON} rank(s) did not arrive within {seconds:g} s")
+            store.set(f"{base}/verdict", verdict)
+    except dist.DistError as exc:  # the store itself failed (its server is gone): no rank can be named
+        raise ExchangeError(f"decent_comm: {what}: the store of the default process group failed while the ranks "
+                            f"met: {exc}") from exc
+    raise ExchangeTimeout(f"decent_comm: {what}: {verdict} of the {world_size} (this rank: rank {rank}); every rank "
+                          "that arrived raises this error")
+
+
+def _verdict(store, base: str) -> str:
+    store.wait([f"{base}/verdict"], _VERDICT_WAIT)
+    return store.get(f"{base}/verdict").decode()

@@ -1,0 +1,96 @@
+"""What ranks tell each other through the default group's store, beside their collectives: a bucket's size and
+dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), once a collective failed, which
+members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name the
+rank that is dead or stuck and not only the group, and which member sent non-finite values into a sum
+(``flag``/``flagged``, for check_finite), which the sum itself cannot tell.
+
+Both go through the store rather than the groups: a header all-gathered on a group could meet another member's
+data all-reduce (gloo then aborts the process), and a failed group carries nothing any more. Keys live under the
+namespace of the owner's construction (exchange.arrival), the same on every rank.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from .arrival import ExchangeError, ExchangeTimeout, ranks_text
+
+# How long a member that saw an all-reduce fail waits for the other members to report it too. Survivors of a dead
+# member see the connection drop within milliseconds of each other; those of a silent one time out within the
+# spread of their launch times (one step's skew). The member that has not reported by then is named as the
+# likely cause; the error still comes within the timeout + BLAME_GRACE_S.
+BLAME_GRACE_S = 2.0
+
+
+class Roster:
+    def __init__(self, namespace: str, rank: int):
+        self.namespace, self.rank = namespace, rank
+        self._rounds: Dict[Tuple[int, Tuple[int, ...]], int] = {}  # agreements so far, the same on every member
+
+    @staticmethod
+    def _store():
+        return dist.distributed_c10d._get_default_store()
+
+    def agree(self, bucket: int, g: Sequence[int], mine: str, seconds: float) -> Optional[Exception]:
+        """Swaps `mine` ("<numel> elements of <dtype>") for `bucket` with every member of `g`. Returns the error to
+        raise (the same words on every member: each side listed; or the members that did not come within
+        `seconds`), or None when all sides are equal."""
+        g = tuple(g)
+        n = self._rounds[(bucket, g)] = self._rounds.get((bucket, g), 0) + 1
+        base = f"{self.namespace}/agree/{bucket}/{'-'.join(map(str, g))}/{n}"
+        where = f"decent_comm exchange: bucket {bucket}"
+        store = self._store()
+        try:
+            store.set(f"{base}/{self.rank}", mine)
+            try:
+                store.wait([f"{base}/{r}" for r in g], datetime.timedelta(seconds=seconds))
+            except dist.DistStoreError:
+                missing = [r for r in g if not store.check([f"{base}/{r}"])]
+                return ExchangeTimeout(
+                    f"{where} timed out after {seconds * 1e3:.0f} ms in the size/dtype agreement of the all-reduce "
+                    f"among ranks {list(g)}: {ranks_text(missing)} did not reach it (a member died, is stuck, or "
+                    "runs another schedule); nothing was sent")
+            sides = {r: store.get(f"{base}/{r}").decode() for r in g}
+        except dist.DistError as e:  # the store itself failed
+            return ExchangeError(f"{where}: the size/dtype agreement of the all-reduce among ranks {list(g)} failed: "
+                                 f"{e}")
+        if len(set(sides.values())) == 1:
+            return None
+        listed = "; ".join(f"rank {r}{' (this rank)' if r == self.rank else ''}: {v}" for r, v in sides.items())
+        return ExchangeError(f"{where}: the members of the all-reduce among ranks {list(g)} disagree on its size or "
+                             f"dtype ({listed}); nothing was sent (every member must build the same buckets with the "
+                             "same wire dtype)")
+
+    def blame(self, g: Sequence[int]) -> str:
+        """Reports this rank's failure and waits up to BLAME_GRACE_S for the other members of `g` to report theirs.
+        Returns the words naming those that did not ("" when all did, or the store cannot tell)."""
+        store = self._store()
+        others = [r for r in g if r != self.rank]
+        try:
+            store.set(f"{self.namespace}/failed/{self.rank}", "1")
+            try:
+                store.wait([f"{self.namespace}/failed/{r}" for r in others], datetime.timedelta(seconds=BLAME_GRACE_S))
+                return ""
+            except dist.DistStoreError:
+                absent = [r for r in others if not store.check([f"{self.namespace}/failed/{r}"])]
+        except dist.DistError:
+            return ""
+        return (f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
+                "likely cause: it died, is stuck, or runs another schedule)") if absent else ""
+
+    def flag(self, what: str):
+        """Marks `what` (e.g. "nonfinite/<bucket>/<step>") as true of this rank. Called before the collective it
+        concerns is issued, so a member that sees that collective complete also sees the mark."""
+        try:
+            self._store().set(f"{self.namespace}/flag/{what}/{self.rank}", "1")
+        except dist.DistError:  # the store is gone: the error then names the group only
+            pass
+
+    def flagged(self, what: str, g: Sequence[int]) -> List[int]:
+        """The members of `g` that marked `what` ([] when none did, or the store cannot tell)."""
+        try:
+            return [r for r in g if self._store().check([f"{self.namespace}/flag/{what}/{r}"])]
+        except dist.DistError:
+            return []
