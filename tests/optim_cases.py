@@ -21,13 +21,16 @@ def batch(rank, t):
 
 
 
-def train_steps(rank, model, opt, steps, start=0):
-    """`steps` steps of the tests' regression problem on rank's batches from step `start` on."""
+def train_steps(rank, model, opt, steps, start=0, after_step=None):
+    """`steps` steps of the tests' regression problem on rank's batches from step `start` on; after_step(t), if
+    given, runs after each step (an lr scheduler, a measurement)."""
     for t in range(start, start + steps):
         x, y = batch(rank, t)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
+        if after_step is not None:
+            after_step(t)
 
 def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

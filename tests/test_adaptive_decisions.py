@@ -9,7 +9,7 @@ from decent_comm import topology as T
 
 from adaptive_cases import OPTIMIZERS, STEPS, Scheduled, candidate_topologies
 from dist_utils import run_ranks
-from optim_cases import ADAM_HP, batch, flat_params, make_model
+from optim_cases import ADAM_HP, batch, flat_params, make_model, train_steps
 from optim_reference import Reference
 
 # ----------------------------------------------------------------------- same decision on every rank
@@ -56,11 +56,7 @@ def _same_decisions(rank, n):
                                  topology=T.Adaptive(list(topos.values()), ThresholdPolicy()))
         opt._schedule.adaptive._local_stats = lambda: torch.tensor(random_local_stats(rank, opt._schedule.t)
                                                                    + [opt._lr0()], dtype=torch.float64)
-        for t in range(STEPS):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+        train_steps(rank, model, opt, STEPS)
         opt.synchronize()
         out[mode] = opt.topology.history
         opt.shutdown()
@@ -73,12 +69,7 @@ def _same_decisions(rank, n):
     opt = decent_comm.DAdamW(model.parameters(), weight_decay=0.1, **ADAM_HP, broadcast_init=False, timeout=30,
                              topology=T.Adaptive(["one-peer-exp", "ring", "complete"], policy))
     local = []
-    for t in range(STEPS):
-        x, y = batch(rank, t)
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        local.append(opt.last_disagreement)
+    train_steps(rank, model, opt, STEPS, after_step=lambda t: local.append(opt.last_disagreement))
     opt.synchronize()
     out["consensus"] = (opt.topology.schedule(), flat_params(model).double(), local)
     opt.shutdown()
@@ -130,13 +121,10 @@ def _resume_case(rank, n, mode, opt_name):
                     model=model, timeout=30)
 
     def train(model, opt, sched, start, stop, log):
-        for t in range(start, stop):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+        def after_step(t):
             sched.step()
             log.append((t, opt.topology.policy.last))
+        train_steps(rank, model, opt, stop - start, start, after_step)
 
     model = make_model(rank)
     opt = build(model)

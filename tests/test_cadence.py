@@ -12,7 +12,7 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, batch, flat_params, make_model, run_against_reference, train_steps
+from optim_cases import OPTIMIZERS, flat_params, make_model, run_against_reference, train_steps
 
 CADENCES = {"every3": dict(gossip_every=3), "warmup4": dict(warmup_steps=4),
             "warmup3-every2": dict(gossip_every=2, warmup_steps=3)}
@@ -35,13 +35,11 @@ def _local_steps_send_nothing(rank, n):
     model = make_model(rank)
     opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", gossip_every=4, warmup_steps=2, timeout=30)
     sent = []
-    for t in range(10):
-        x, y = batch(rank, t)
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
+
+    def after_step(t):
         opt.synchronize()
         sent.append(opt.bytes_sent)
+    train_steps(rank, model, opt, 10, after_step=after_step)
     opt.shutdown()
     return sent
 

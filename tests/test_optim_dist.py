@@ -12,7 +12,8 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model, run_against_reference
+from optim_cases import (OPTIMIZERS, batch, doubly_stochastic, flat_params, make_model, run_against_reference,
+                         train_steps)
 
 
 
@@ -130,12 +131,7 @@ def _resume(rank, n, mode):
                                       timeout=30)
 
     def train(model, opt, sched, steps, start):
-        for t in range(start, start + steps):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            sched.step()
+        train_steps(rank, model, opt, steps, start, after_step=lambda t: sched.step())
 
     model = make_model(rank)
     opt = build(model)

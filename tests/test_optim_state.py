@@ -89,11 +89,7 @@ def _profiled(rank, n, mode):
     model = make_model(rank)
     opt = decent_comm.DAdamW(model.parameters(), topology="ring", mode=mode, warmup_steps=1, timeout=30)
     with profile() as prof:
-        for t in range(3):
-            x, y = batch(rank, t)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+        train_steps(rank, model, opt, 3)
     opt.shutdown()
     return sorted({e.name for e in prof.events() if e.name.startswith("decent_comm::")})
 
