@@ -30,6 +30,7 @@ venv: $(STAMP)
 # In-place build; ninja makes it incremental.
 build: $(STAMP) importable
 	$(VPY) setup.py -q build_ext --inplace
+	@$(VPY) -m decent_comm info | grep '^kernels'
 
 # A .pth file in the venv's site-packages names this checkout, so the venv's python imports decent_comm (built in
 # place) and the decent_train harness from any directory: bench scripts, torchrun workers, `sudo .venv/bin/python`

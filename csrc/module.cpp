@@ -1,6 +1,8 @@
 // The Python module decent_comm._C. Loading it registers the torch.ops.decent_comm operators (ops.cpp);
 // it also exposes how the extension was built, and (later) the stateful C++ objects through pybind11.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
 
 #ifdef DECENT_COMM_WITH_NCCL
 #include <nccl.h>

@@ -3,6 +3,7 @@
 #include "op_call.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/Formatting.h>  // operator<< for the Scalar hyper-parameters in error messages
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 

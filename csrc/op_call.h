@@ -4,7 +4,7 @@
 // the CPU, CUDA and Meta (fake) kernels, so torch.compile traces exactly the checks eager mode makes.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <initializer_list>
 #include <optional>

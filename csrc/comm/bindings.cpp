@@ -1,6 +1,6 @@
 // pybind11 bindings of the exchange engine: the scheduler (_Exchanger, subclassed in Python by
 // decent_comm.exchange.Exchanger), the transport factories, and the two exception types.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "errors.h"
 #include "exchanger.h"

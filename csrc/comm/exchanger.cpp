@@ -2,6 +2,7 @@
 #include "exchanger.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

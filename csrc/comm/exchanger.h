@@ -11,7 +11,7 @@
 // them so a blocking wait does not stall other Python threads.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <cstdint>

@@ -1,6 +1,8 @@
 // The size/dtype handshake (see handshake.h).
 #include "handshake.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>

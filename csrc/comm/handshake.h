@@ -17,7 +17,7 @@
 // the data is recognized as not a header), so both raise or time out and no process dies.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -4,7 +4,7 @@
 // ExchangeError / ExchangeTimeoutError naming the bucket and the peers.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <cstdint>

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Callable
 
 #: modules that register the built-in subcommands (add yours here)
-BUILTIN_MODULES = ("decent_comm.cli.plan",)
+BUILTIN_MODULES = ("decent_comm.cli.info", "decent_comm.cli.plan")
 
 SUBCOMMANDS: dict = {}
 

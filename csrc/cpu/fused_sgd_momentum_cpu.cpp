@@ -1,0 +1,9 @@
+// The CPU loops of the SgdMomentumUpdate kernels (fused_loops.h), in a translation unit of their own so they compile in parallel.
+#include "fused_loops.h"
+#include "fused_updates_cpu.h"
+
+namespace decent_comm {
+
+void run_cpu_sgd_momentum(const FusedOperands& o, const HyperParams& hp) { cpu::dispatch_x<SgdMomentumUpdate>(o, hp); }
+
+}  // namespace decent_comm
