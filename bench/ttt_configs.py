@@ -12,6 +12,7 @@ Tokens after the first (a topology name or spec, or `ddp`), separated by `/`, in
     atc | awc      mode (default atc: equal-step quality within 2% of DDP, docs/quality_results.md)
     k<N>           --gossip-every N (local steps between gossip rounds)
     w<N>           --warmup-steps N (all-reduce the gradients for the first N steps)
+    delayed        --delayed-mix (awc: a round's exchange overlaps the whole interval, mixed in at the next round)
     s<N>           steps, i.e. the length of the lr schedule (default: the benchmark's --steps)
     bf16           --bf16-wire (DDP: the bf16 compression hook)
     lr<X>          --lr X (default: the workload's all-reduce lr, x sqrt(n) for DAdamW: decentralized_adam_hparams)
@@ -68,6 +69,8 @@ def parse(text: str, default_steps: int) -> Config:
             mode = tok
         elif tok == "bf16":
             flags.append("--bf16-wire")
+        elif tok == "delayed" and not ddp:
+            flags.append("--delayed-mix")
         elif tok == "accum" and not ddp:
             optimizer = "accumadamw"
         elif tok.startswith("lr") and _number(tok[2:]) is not None:

@@ -74,6 +74,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g.add_argument("--warmup-steps", type=int, default=0,
                    help="decentralized: all-reduce the gradients for the first N steps (DDP's update), then gossip "
                         "(warmup_steps; not the lr warmup, which is --warmup)")
+    g.add_argument("--delayed-mix", action="store_true",
+                   help="decentralized, awc: each gossip round's exchange overlaps the whole interval and is mixed in "
+                        "at the next round as a correction (delayed_mix)")
     g.add_argument("--bf16-wire", action="store_true",
                    help="send parameters (decentralized) or gradients (allreduce, DDP bf16 compress hook) as bfloat16")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to this)")

@@ -106,7 +106,7 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=local)
     options = dict(topology=topology, mode=args.mode, consensus=_consensus(args), model=model,
                    comm_dtype=torch.bfloat16 if args.bf16_wire else None, gossip_every=args.gossip_every,
-                   warmup_steps=args.warmup_steps)
+                   warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix)
     if name in FUSED:
         cls = getattr(decent_comm, FUSED[name][0])
         kw = dict(lr=args.lr, weight_decay=args.weight_decay, **options)

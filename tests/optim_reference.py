@@ -5,6 +5,10 @@ X^{t+1} = W'(t) X^t - lr D(G)   (awc)      X^{t+1} = W'(t) (X^t - lr D(G))   (at
 (with gossip_every k and warmup_steps w: W' = I and G the ranks' mean gradient for t < w; W' = I when
 (t - w) % k != 0; otherwise the topology's W((t - w) / k))
 
+delayed_mix (awc): a round's step mixes the previous round's copies Z (the parameters after that round's update,
+rounded to the wire dtype) as a correction, X_i <- X_i + sum_{j != i} W'_ij (Z_j - Z_i), before its update; the
+first round mixes nothing.
+
 with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' parameters as rows of X, the
 gradients from a float64 copy of the model, and the update directions from the formulas in
 mix_reference.py (not from the kernels).
@@ -18,7 +22,7 @@ from mix_reference import accum_adam64, adam64, sgd64
 
 class Reference:
     def __init__(self, model, init_flats, topology, mode, kind, hp, consensus=1.0, wire_dtype=None, gossip_every=1,
-                 warmup_steps=0):
+                 warmup_steps=0, delayed_mix=False):
         self.model = model.double()
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -28,6 +32,8 @@ class Reference:
         self.consensus = consensus
         self.wire_dtype = wire_dtype
         self.gossip_every, self.warmup_steps = gossip_every, warmup_steps
+        self.delayed_mix = delayed_mix
+        self.sent = None  # delayed_mix: (W' of the round in flight, the copies Z sent)
         self.state = [dict(m=torch.zeros_like(x), v=torch.zeros_like(x), a=torch.zeros_like(x),
                            b=torch.zeros_like(x)) for x in self.X]
         self.t = 0
@@ -56,6 +62,20 @@ class Reference:
         W = torch.from_numpy(self.topology.matrix(since // self.gossip_every)).double()
         a = self.consensus(self.t) if callable(self.consensus) else self.consensus
         return (1 - a) * torch.eye(self.n, dtype=torch.float64) + a * W
+
+    def _wire(self, x):
+        return x.to(self.wire_dtype).double() if self.wire_dtype is not None else x
+
+    def _correct(self, X):
+        """delayed_mix: X_i + sum_{j != i} W'_ij (Z_j - Z_i) with the round in flight, on a gossip round."""
+        if self.sent is None or not self._is_round():
+            return X
+        W, Z = self.sent
+        return [X[i] + sum(W[i, j] * (Z[j] - Z[i]) for j in range(self.n) if j != i) for i in range(self.n)]
+
+    def _is_round(self):
+        since = self.t - self.warmup_steps
+        return since >= 0 and since % self.gossip_every == 0
 
     def _mix(self, W, X):
         out = []
@@ -90,7 +110,12 @@ class Reference:
         if self.t < self.warmup_steps:  # warm-up: every rank steps with the mean gradient (DDP)
             G = [sum(G) / self.n] * self.n
         W = self._W()
-        if self.mode == "awc":
+        if self.delayed_mix:
+            mixed = self._correct(self.X)
+            self.X = [self._direction(i, self.X[i], mixed[i], G[i]) for i in range(self.n)]
+            if self._is_round():
+                self.sent = (W, [self._wire(x) for x in self.X])
+        elif self.mode == "awc":
             mixed = self._mix(W, self.X)
             self.X = [self._direction(i, self.X[i], mixed[i], G[i]) for i in range(self.n)]
         else:

@@ -156,14 +156,17 @@ def test_train_lm_profile_trace(tmp_path, mode):
 
 @pytest.mark.parametrize("optimizer", ["dadamw", "decentralized-adamw"])
 def test_cadence_flags_reach_the_optimizer(optimizer):
-    """--gossip-every / --warmup-steps build the optimizer's communication interval (fused and wrapper)."""
+    """--gossip-every / --warmup-steps / --delayed-mix build the optimizer's communication interval (fused and
+    wrapper)."""
     import torch
 
     from decent_train.distributed import DistEnv
     from decent_train.strategy import build_strategy
 
-    args = resolve_defaults(lm.parse_args(["--optimizer", optimizer, "--gossip-every", "3", "--warmup-steps", "2"]),
-                            lm.LR_DEFAULTS, 1)
+    args = resolve_defaults(lm.parse_args(["--optimizer", optimizer, "--gossip-every", "3", "--warmup-steps", "2",
+                                           "--mode", "awc", "--delayed-mix"]), lm.LR_DEFAULTS, 1)
     opt = build_strategy(args, torch.nn.Linear(3, 2), DistEnv()).optimizer
-    assert (opt._schedule.cadence.gossip_every, opt._schedule.cadence.warmup_steps) == (3, 2)
-    assert lm.parse_args([]).gossip_every == 1 and lm.parse_args([]).warmup_steps == 0
+    cadence = opt._schedule.cadence
+    assert (cadence.gossip_every, cadence.warmup_steps, cadence.delayed_mix) == (3, 2, True)
+    defaults = lm.parse_args([])
+    assert (defaults.gossip_every, defaults.warmup_steps, defaults.delayed_mix) == (1, 0, False)

@@ -47,11 +47,14 @@ class DecentralizedMixin:
 
     def _init_decentralized(self, *, topology, mode, process_group, bucket_cap_mb, comm_dtype, consensus, model,
                             broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False,
-                            gossip_every=1, warmup_steps=0):
+                            gossip_every=1, warmup_steps=0, delayed_mix=False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_options(timeout=timeout, comm_dtype=comm_dtype)
-        cadence = Cadence(gossip_every, warmup_steps)
+        cadence = Cadence(gossip_every, warmup_steps, delayed_mix)
+        if delayed_mix and mode != "awc":
+            raise ValueError("delayed_mix=True needs mode='awc': the delayed mix is applied inside the fused update "
+                             "of the next gossip round (ATC mixes before the next forward, which a delay defeats)")
         self.process_group = process_group
         self.rank, self.world_size = distributed_context(process_group)
         topology = resolve_topology(topology, self.world_size)
@@ -64,6 +67,7 @@ class DecentralizedMixin:
             config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
                                     mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
                                     bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps,
+                                    delayed_mix=delayed_mix,
                                     broadcast_init=broadcast_init, check_finite=check_finite)
             verify_replicas(config, process_group, self.world_size, timeout)
             if broadcast_init:

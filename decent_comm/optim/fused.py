@@ -12,7 +12,7 @@ from .base import DecentralizedMixin
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
                                track_disagreement=False, exchange="auto", check_finite=False,
-                               gossip_every=1, warmup_steps=0)
+                               gossip_every=1, warmup_steps=0, delayed_mix=False)
 _DOC_OPTIONS = """
     Decentralized options (keyword-only):
         topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
@@ -45,6 +45,12 @@ _DOC_OPTIONS = """
         warmup_steps: all-reduce the gradients for the first steps instead of gossiping (torch's
             PostLocalSGDOptimizer warm-up: the replicas start identical and stay so, DDP's update), then gossip.
             Steps count from 0; gossip_every applies from warmup_steps on.
+        delayed_mix: (awc) launch each gossip round's exchange at the end of its step, from a copy of the
+            parameters, and mix it in at the next round as a correction x <- x + sum_j w_j (x_j' - x') (x' the
+            copies sent): the transfer overlaps the whole interval of gossip_every steps instead of one forward and
+            backward, so on slow links a round costs no waiting once gossip_every steps of compute cover it. Costs
+            one copy of the parameters in the wire dtype. A checkpoint resumes with the next round starting afresh
+            (the round in flight is dropped on every rank alike).
         check_finite: raise, naming the rank, the step and the bucket, when a rank's parameters become non-finite
             (checked before they are sent) or a neighbour's arrive non-finite, instead of letting a NaN spread
             through the gossip silently. Costs a device sync per bucket and step: for debugging.

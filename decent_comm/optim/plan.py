@@ -26,6 +26,16 @@ class MixPlan:
     # weights == [a / len(group)]; recv and send are empty.
     group: Optional[Tuple[int, ...]] = None
 
+    # delayed_mix: the last buffer mixed is this rank's own copy z of what it sent, with the weight -(1 - self_weight)
+    # of `weights`' last entry, and self_weight is 1: x <- x + sum_j w_j (y_j - z) (see Cadence.delayed_mix).
+    correction: bool = False
+
+    def as_correction(self, step: int) -> "MixPlan":
+        """This plan applied at optimizer step `step` to parameters that moved on since its exchange was launched:
+        x <- x + sum_j w_j y_j - (1 - self_weight) z = z' + (x - z), z' this plan's mix of the copies z sent."""
+        return MixPlan(step, 1.0, self.recv, self.weights + [-(1.0 - self.self_weight)], self.send, self.factor,
+                       self.group, correction=True)
+
     @property
     def silent(self) -> bool:
         return not self.recv and not self.send and self.group is None
@@ -47,16 +57,25 @@ class Cadence:
     communication interval: the first `warmup_steps` steps all-reduce the gradients (DDP's update: the replicas
     stay identical), then every `gossip_every`-th step gossips and the steps between are local. Gossip round r
     (the r-th gossiping step) uses the topology's step r, so a time-varying graph keeps cycling through its
-    peers whatever the interval."""
+    peers whatever the interval.
+
+    With `delayed_mix` the exchange of round r is launched at the end of round r's step, from a copy z of the
+    parameters, and mixed in at round r + 1 as a correction, x <- x + sum_j w_j (z_j - z): the mix of the copies
+    plus the local progress since. The transfer then overlaps all `gossip_every` steps of the interval instead of
+    one forward and backward (Overlap Local-SGD, Wang et al. 2020; CO2, Sun et al. 2024), at the cost of mixing
+    parameters one interval old and one more buffer per bucket (z)."""
 
     gossip_every: int = 1
     warmup_steps: int = 0
+    delayed_mix: bool = False
 
     def __post_init__(self):
         for name, low in (("gossip_every", 1), ("warmup_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.delayed_mix, bool):
+            raise ValueError(f"delayed_mix must be True or False, got {self.delayed_mix!r}")
 
     def in_warmup(self, step: int) -> bool:
         return step < self.warmup_steps

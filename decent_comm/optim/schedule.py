@@ -12,6 +12,8 @@ disagreement of each mix, and saves / restores where the schedule stands. It com
     atc: step t updates locally, launches the exchange of x^{t+1/2} and leaves its mix pending: forward
          pre-hooks apply it just before the first module using each bucket runs; a bucket no hook covers is
          mixed at the end of the step.
+    awc with cadence.delayed_mix: the step of round r mixes in round r - 1's exchange as a correction, then
+         launches round r's exchange of a copy z of x^{t+1}, which stays in flight until round r + 1.
 """
 
 import logging
@@ -60,6 +62,7 @@ class GossipSchedule:
         self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
         self._resume_factor = None       # consensus factor of step t restored from a checkpoint
         self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
+        self._sent: Dict[int, torch.Tensor] = {}  # delayed_mix: the copy z of each bucket in flight (wire dtype)
         self._hooks = None               # atc: MixBeforeUse
         self.device = buckets[0].device if buckets else torch.device("cpu")
         self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
@@ -136,11 +139,22 @@ class GossipSchedule:
             bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
         return bufs[:k]
 
+    def _send_buffer(self, b) -> torch.Tensor:
+        """What bucket b sends: its flat buffer, which stays put until the exchange is mixed (the next step);
+        with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval."""
+        if not self.cadence.delayed_mix:
+            return b.flat
+        z = self._sent.get(b.index)
+        if z is None:
+            z = self._sent[b.index] = torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device)
+        return z.copy_(b.flat)
+
     @traced("exchange_launch")
     @torch.no_grad()
     def launch(self, plan: MixPlan, made_by: Optional[int] = None):
-        """Starts the exchange of every bucket's current flat buffer for `plan` (same order on all ranks).
-        `made_by`: the optimizer step whose update produced the buffers (for check_finite's message)."""
+        """Starts the exchange of every bucket's current flat buffer (or its copy, delayed_mix) for `plan` (same
+        order on all ranks). `made_by`: the optimizer step whose update produced the buffers (for check_finite's
+        message)."""
         bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
         if bad and plan.group is not None and self.exchange is not None and not plan.silent:
             for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
@@ -148,10 +162,11 @@ class GossipSchedule:
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
+                send = self._send_buffer(b)
                 if plan.group is not None:
-                    self.exchange.exchange(b.index, b.flat, recvs, group=plan.group)
+                    self.exchange.exchange(b.index, send, recvs, group=plan.group)
                 else:
-                    self.exchange.exchange(b.index, b.flat, recvs, send_to=plan.send, recv_from=plan.recv)
+                    self.exchange.exchange(b.index, send, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
         if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
             when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
@@ -170,7 +185,7 @@ class GossipSchedule:
                     who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
-        return bufs
+        return bufs + [self._sent[b.index]] if plan.correction else bufs
 
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
         # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
@@ -183,7 +198,14 @@ class GossipSchedule:
             "overflowed)")
 
     def awc_plan(self) -> MixPlan:
-        """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not)."""
+        """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not).
+        delayed_mix: on a gossip round, the correction by the previous round's exchange (none before the first
+        round, or after a resume or average_parameters()); a local step otherwise."""
+        if self.cadence.delayed_mix:
+            prev = self.inflight
+            if self.cadence.round_of(self.t) is None or prev is None or prev.silent:
+                return MixPlan(self.t, 1.0, [], [], [], 1.0)
+            return prev.as_correction(self.t)
         plan = self.inflight
         if plan is None or plan.step != self.t:
             plan = self.plan(self.t)
@@ -191,9 +213,12 @@ class GossipSchedule:
         return plan
 
     def finish_step(self):
-        """awc: step t is done; launch the exchange of x^{t+1}."""
+        """awc: step t is done; launch the exchange of x^{t+1} (delayed_mix: round t's, when t is a round)."""
         self.t += 1
-        self.launch(self.plan(self.t), made_by=self.t - 1)
+        if not self.cadence.delayed_mix:
+            self.launch(self.plan(self.t), made_by=self.t - 1)
+        elif self.cadence.round_of(self.t - 1) is not None:
+            self.launch(self.plan(self.t - 1), made_by=self.t - 1)
 
     def atc_launch(self):
         """atc: the local update of step t is done; exchange x^{t+1/2} and leave its mix pending."""
@@ -290,6 +315,7 @@ class GossipSchedule:
         nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
                     gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
+                    delayed_mix=self.cadence.delayed_mix,
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
@@ -303,7 +329,7 @@ class GossipSchedule:
                                      " every rank loads its own state_dict (its optimizer state and where the gossip "
                                      "schedule stands). To start a schedule afresh from another rank's moments, drop "
                                      "the 'decentralized' entry before loading.")
-            for key in ("gossip_every", "warmup_steps"):
+            for key in ("gossip_every", "warmup_steps", "delayed_mix"):
                 if key in extra and extra[key] != getattr(self.cadence, key):
                     raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
                                      f"{key}={getattr(self.cadence, key)}")

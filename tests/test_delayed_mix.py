@@ -1,0 +1,119 @@
+"""delayed_mix: each gossip round's exchange stays in flight for the whole interval and is mixed in at the next
+round as a correction, against the float64 dense simulation of all ranks (tests/optim_reference.py), for every
+optimizer, point-to-point and group (all-reduce) rounds, with and without a bf16 wire; bytes move only at rounds;
+the option is checked like every other (mode, agreement across ranks, state_dict)."""
+
+import itertools
+
+import pytest
+import torch
+
+import decent_comm
+from decent_comm import topology as T
+
+from dist_utils import run_ranks
+from optim_cases import OPTIMIZERS, make_model, run_against_reference, train_steps
+
+CADENCES = {"every1": dict(gossip_every=1), "every3": dict(gossip_every=3),
+            "warmup2-every2": dict(gossip_every=2, warmup_steps=2)}
+
+
+def _every_optimizer(rank, n, cadence):
+    topos = {"one-peer-exp": T.make("one-peer-exp", n), "complete": T.make("complete", n)}
+    return {(o, name): run_against_reference(rank, n, o, topo, "awc", steps=11, delayed_mix=True,
+                                             **CADENCES[cadence])
+            for o, (name, topo) in itertools.product(OPTIMIZERS, topos.items())}
+
+
+@pytest.mark.parametrize("cadence", sorted(CADENCES))
+def test_delayed_mix_matches_dense_simulation(cadence):
+    for r, errs in enumerate(run_ranks(_every_optimizer, 3, cadence, timeout=600)):
+        bad = {k: e for k, e in errs.items() if not e < 1e-5}
+        assert not bad, (r, bad)
+
+
+def _bf16_wire(rank, n):
+    return [run_against_reference(rank, n, "dadamw", T.make(name, n), "awc", steps=9, delayed_mix=True,
+                                  gossip_every=2, comm_dtype=torch.bfloat16, consensus=0.7)
+            for name in ("ring", "one-peer-exp")]  # point to point: a group step's bf16 all-reduce rounds its sum
+
+
+def test_delayed_mix_bf16_wire_matches_dense_simulation():
+    for r, errs in enumerate(run_ranks(_bf16_wire, 4, timeout=300)):
+        assert max(errs) < 1e-5, (r, errs)
+
+
+def _delayed_differs_from_plain(rank, n):
+    """The correction really is delayed: with one round in flight the result differs from the plain schedule."""
+    out = []
+    for delayed in (False, True):
+        model = make_model(rank)
+        opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", gossip_every=2, delayed_mix=delayed,
+                               timeout=30, broadcast_init=False)
+        sent = []
+        train_steps(rank, model, opt, 8, after_step=lambda t: (opt.synchronize(), sent.append(opt.bytes_sent)))
+        out.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), sent))
+        opt.shutdown()
+    (plain, _), (delayed, sent) = out
+    return (plain - delayed).abs().max().item(), sent
+
+
+def test_delayed_rounds_move_bytes_at_round_steps_only():
+    for diff, sent in run_ranks(_delayed_differs_from_plain, 3, timeout=120):
+        assert diff > 1e-4
+        grew = [t for t in range(1, 8) if sent[t] > sent[t - 1]]
+        assert sent[0] > 0 and grew == [2, 4, 6], sent  # launched at the end of each round's own step
+
+
+def test_delayed_mix_needs_awc():
+    with pytest.raises(ValueError, match="delayed_mix=True needs mode='awc'"):
+        decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), mode="atc", delayed_mix=True)
+    with pytest.raises(ValueError, match="delayed_mix must be True or False"):
+        decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), delayed_mix=1)
+
+
+def _mismatch(rank, n):
+    model = make_model(0)
+    try:
+        decent_comm.DAdamW(model.parameters(), gossip_every=2, delayed_mix=rank == 1, timeout=30)
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_delayed_mix_mismatch_named_on_every_rank():
+    for msg in run_ranks(_mismatch, 3, timeout=120):
+        assert "delayed_mix" in msg, msg
+
+
+def _resume(rank, n):
+    def build(model):
+        return decent_comm.DAdamW(model.parameters(), lr=0.02, topology="one-peer-exp", gossip_every=2,
+                                  delayed_mix=True, timeout=30)
+
+    model = make_model(rank)
+    opt = build(model)
+    train_steps(rank, model, opt, 5)
+    sd = opt.state_dict()
+    opt.shutdown()
+    plain = decent_comm.DAdamW(make_model(rank).parameters(), topology="one-peer-exp", gossip_every=2, timeout=30)
+    try:
+        plain.load_state_dict(sd)
+        msg = "no error"
+    except ValueError as exc:
+        msg = str(exc)
+    plain.shutdown()
+    model2 = make_model(rank)
+    opt2 = build(model2)
+    opt2.load_state_dict(sd)
+    train_steps(rank, model2, opt2, 4, start=5)   # the round in flight was dropped alike on every rank
+    opt2.synchronize()
+    finite = all(torch.isfinite(p).all() for p in model2.parameters())
+    opt2.shutdown()
+    return sd["param_groups"][0]["decentralized"]["delayed_mix"], msg, finite
+
+
+def test_delayed_mix_kept_in_state_dict():
+    for kept, msg, finite in run_ranks(_resume, 3, timeout=120):
+        assert kept is True and finite
+        assert "delayed_mix=True" in msg, msg
