@@ -68,6 +68,13 @@ def to_text(plan, cluster, workload, wire_dtype: str, notes=()) -> str:
     lines.append("step ms: closed form (ranks in phase); bound ms: no faster than this (busiest link's load);"
                  " sim ms: discrete-event simulation; speedup: all-reduce step / step; sync set: the straggler"
                  " term equals the expected max of that many compute times.")
+    if plan.quality:
+        lines.append("")
+        lines.append("time to all-reduce's loss (step time x the steps multiplier measured by "
+                     "bench/time_to_target.py, docs/time_to_target.md):")
+        for i, q in enumerate(plan.quality):
+            lines.append(f"  {q.time_vs_allreduce:5.2f}x  {q.label}  (step {_ms(q.step_seconds)} ms, "
+                         f"{q.kind.steps_multiplier:.2f}x the steps)" + ("  <- for a target loss soonest" if i == 0 else ""))
     for name, why in plan.skipped:
         lines.append(f"skipped {name}: {why}")
     for n in list(notes) + list(plan.notes):
@@ -94,6 +101,7 @@ def to_dict(plan, cluster, workload, wire_dtype: str, notes=()) -> dict:
     out["candidates"] = [c.name for c in plan.candidates]
     out["recommended"] = plan.recommended
     out["rule"] = plan.rule
+    out["time_to_quality"] = [q.to_dict() for q in plan.quality]
     out["skipped"] = {name: why for name, why in plan.skipped}
     out["notes"] = list(notes) + list(plan.notes)
     out["inputs"] = {

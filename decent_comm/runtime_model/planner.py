@@ -13,6 +13,12 @@ pick the one with the shortest step time (simulated when simulated, else
 closed form).  If no gossip candidate reaches the threshold, all of them
 compete.  All-Reduce (exact averaging, gap 1) wins when nothing beats it.
 
+**Time to quality.**  Step time is not what a user buys: ``Plan.quality`` prices recipes (All-Reduce,
+periodic averaging, and the fastest eligible one-peer topology, else gossip topology, with an interval, delayed
+mix and bf16 wire) by
+their predicted time to All-Reduce's loss, step time x a measured steps multiplier (``quality``), and
+``Plan.quality[0]`` is the cheapest: the configuration to train with when the goal is a given loss soonest.
+
 **Bounded work.**  A simulation runs fewer steps when ``steps x work`` exceeds
 ``MAX_SIM_WORK`` (down to 4 periods + 20); when even that would cost more than
 ``MAX_SIM_COST`` for some candidate (large clusters), nothing is simulated and
@@ -36,6 +42,7 @@ from .closed_form import Prediction, make_topology, predict_allreduce, predict_g
 from .gossip import workload_step_groups
 from .loads import schedule_of
 from .mixing import sparse_gap_per_step
+from .quality import price
 from .simulator import SimResult, simulate, simulate_allreduce
 
 DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
@@ -82,7 +89,8 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """``candidates`` (All-Reduce first), ``skipped`` (``(name, reason)``),
-    ``recommended`` (a candidate name), ``rule`` (the rule in words), ``notes``."""
+    ``recommended`` (a candidate name), ``rule`` (the rule in words), ``notes``, ``quality`` (``quality.Priced``
+    recipes, cheapest time to All-Reduce's loss first)."""
 
     candidates: tuple
     skipped: tuple
@@ -90,6 +98,7 @@ class Plan:
     rule: str
     gap_threshold: float
     notes: tuple = ()
+    quality: tuple = ()
 
     def candidate(self, name: str) -> Candidate:
         for c in self.candidates:
@@ -189,8 +198,13 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     rule = (f"fastest {basis} step time among allreduce and the topologies with spectral gap/step >="
             f" {gap_threshold:g}" + ("" if any(c.eligible for c in gossip_cands) or not gossip_cands
                                      else " (none reaches it: all topologies compete)"))
+    # The steps multipliers were measured on one-peer graphs: price the fastest of those when there is one.
+    priced = [c for c in eligible if c.name.startswith("one-peer")] or eligible
+    fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
+    quality = price(ar_pred, fastest_gossip.prediction if fastest_gossip else None, workload.compute.mean,
+                    workload.bytes_per_param, workload.compute.forward_fraction)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
-                gap_threshold=gap_threshold, notes=tuple(notes))
+                gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
 
 
 def _simulate_all(cluster, workload, gossip, steps: int, warmup: int, seed: int, notes: list) -> dict:

@@ -1,0 +1,109 @@
+"""The planner's quality term: time to All-Reduce's loss, not step time.
+
+Gossip and periodic averaging need more steps than All-Reduce to reach its loss (between averages each replica
+follows its own batches), so a configuration is worth its step time times a steps multiplier m = (steps to DDP's
+final loss x 1.02) / (DDP's steps to it). The multipliers are measured, not derived: bench/time_to_target.py on
+train_lm, 4 emulated nodes x 1 rank, 50 Mbit links, 400-step schedules (docs/time_to_target.md). They carry over to
+other workloads only roughly; near a tie, measure with that benchmark.
+
+The step time of a recipe comes from the closed form's per-step communication of its topology (``Prediction``),
+rescaled to the recipe's wire, and the mean compute time C:
+
+* interval k without delay: a round's transfer overlaps the next step's compute (awc) or only its forward (atc,
+  the fraction f of C): C + mean_r max(0, D_r - C) / k, with f C in place of C for atc;
+* interval k with delayed_mix: it overlaps the whole interval: C + mean_r max(0, D_r - k C) / k;
+* periodic averaging every k steps (an all-reduce of the parameters, as torch's PostLocalSGDOptimizer):
+  C + max(0, T_AR - C) / k;
+* All-Reduce: the closed form's step (m = 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+BF16_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeKind:
+    """A configuration the quality term prices: ``family`` gossip / periodic / allreduce, its optimizer options,
+    and its measured steps multiplier with where it was measured."""
+
+    family: str
+    mode: str
+    gossip_every: int
+    delayed_mix: bool
+    bf16_wire: bool
+    steps_multiplier: float
+    measured: str
+
+
+#: train_lm, 4 x 1 emulated nodes, 50 Mbit, seed 0: DDP reached its target in 270 steps (bench/time_to_target.py)
+RECIPES = (
+    RecipeKind("allreduce", "-", 1, False, False, 1.0, "the reference"),
+    RecipeKind("gossip", "awc", 1, False, True, 285 / 270, "one-peer-exp awc bf16, 285 steps"),
+    RecipeKind("gossip", "atc", 2, False, True, 288 / 270, "one-peer-exp atc k2 bf16, 288 steps"),
+    RecipeKind("gossip", "awc", 2, True, True, 340 / 270, "one-peer-exp awc k2 delayed bf16, 340 steps"),
+    RecipeKind("gossip", "awc", 4, True, True, 509 / 270, "one-peer-exp awc k4 delayed bf16, 509 steps (s600)"),
+    RecipeKind("periodic", "atc", 4, False, False, 293 / 270, "complete atc k4, 293 steps"),
+    RecipeKind("periodic", "atc", 8, False, False, 357 / 270, "complete atc k8, 357 steps"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A recipe on this cluster: ``topology`` (None for All-Reduce), predicted ``step_seconds`` and
+    ``time_vs_allreduce`` (time to All-Reduce's loss as a fraction of All-Reduce's)."""
+
+    kind: RecipeKind
+    topology: Optional[str]
+    step_seconds: float
+    time_vs_allreduce: float
+
+    @property
+    def label(self) -> str:
+        k = self.kind
+        if k.family == "allreduce":
+            return "allreduce (DDP)"
+        if k.family == "periodic":
+            return f"periodic averaging every {k.gossip_every} steps (complete, {k.mode})"
+        opts = [k.mode] + ([f"gossip_every={k.gossip_every}"] if k.gossip_every > 1 else []) + \
+            (["delayed_mix=True"] if k.delayed_mix else []) + (["comm_dtype=torch.bfloat16"] if k.bf16_wire else [])
+        return f"{self.topology}: " + ", ".join(opts)
+
+    def to_dict(self) -> dict:
+        return dict(label=self.label, family=self.kind.family, topology=self.topology, mode=self.kind.mode,
+                    gossip_every=self.kind.gossip_every, delayed_mix=self.kind.delayed_mix,
+                    bf16_wire=self.kind.bf16_wire, steps_multiplier=self.kind.steps_multiplier,
+                    measured=self.kind.measured, step_seconds=self.step_seconds,
+                    time_vs_allreduce=self.time_vs_allreduce)
+
+
+def _gossip_step(per_round_comm, compute: float, k: int, delayed: bool, hidden_fraction: float) -> float:
+    hidden = k * compute if delayed else hidden_fraction * compute
+    rounds = list(per_round_comm) or [0.0]
+    return compute + sum(max(0.0, d - hidden) for d in rounds) / len(rounds) / k
+
+
+def price(allreduce, gossip, compute: float, bytes_per_param: float, forward_fraction: float) -> List[Priced]:
+    """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``; `gossip`: the
+    ``Prediction`` of the topology gossip recipes use (None: only All-Reduce and periodic averaging); `compute`: the
+    mean compute time per step, `forward_fraction` its forward's share; `bytes_per_param`: the wire the
+    predictions were made for."""
+    ar_step = allreduce.step_seconds
+    out = []
+    for kind in RECIPES:
+        if kind.family == "allreduce":
+            step, topo = ar_step, None
+        elif kind.family == "periodic":
+            step, topo = compute + max(0.0, allreduce.comm_seconds - compute) / kind.gossip_every, "complete"
+        elif gossip is None:
+            continue
+        else:
+            scale = min(1.0, BF16_BYTES / bytes_per_param) if kind.bf16_wire else 1.0
+            rounds = [d * scale for d in (gossip.per_step_comm_seconds or (gossip.comm_seconds,))]
+            hidden = forward_fraction if kind.mode == "atc" else 1.0
+            step = _gossip_step(rounds, compute, kind.gossip_every, kind.delayed_mix, hidden)
+            topo = gossip.name
+        out.append(Priced(kind, topo, step, kind.steps_multiplier * step / ar_step if ar_step > 0 else 1.0))
+    return sorted(out, key=lambda p: p.time_vs_allreduce)
