@@ -22,10 +22,10 @@ import torch
 from .. import ops
 from . import diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import (Bucket, build_buckets, count_steps, gather_grads, load_state, publish_state, segments,
-                      zero_grads)
+from .buckets import (Bucket, build_buckets, clip_grad_norm, count_steps, gather_grads, gather_named_state, load_state,
+                      publish_named_state, publish_state, segments, zero_grads)
 from .plan import Cadence
-from .schedule import MODES, GossipSchedule
+from .schedule import CORRECTION, MODES, GossipSchedule
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, verify_replicas)
 from .tracing import traced
@@ -306,23 +306,10 @@ class DecentralizedMixin:
         for b in self._buckets:
             zero_grads(b, set_to_none)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Local gradient-norm clipping over the flat gradient buffers (torch.nn.utils.clip_grad_norm_
         semantics; parameters without a gradient are ignored)."""
-        norms = []
-        for b in self._buckets:
-            gather_grads(b, self._sparse_grads_ok)
-            for seg in segments(b, b.steps):
-                if seg.has_grad:
-                    norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
-        if not norms:
-            return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for b in self._buckets:
-            b.grad.mul_(coef.to(b.grad.device, b.grad.dtype))
-        return total
+        return clip_grad_norm(self._buckets, max_norm, norm_type, self._sparse_grads_ok)
 
     # ---------------------------------------------------------------------------------------- collectives
 
@@ -377,6 +364,7 @@ class DecentralizedMixin:
 
     def state_dict(self):
         self.synchronize()
+        self._publish_correction(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
         # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
@@ -390,7 +378,18 @@ class DecentralizedMixin:
         extra = groups[0].pop("decentralized", extra) if groups else extra
         state_dict["param_groups"] = groups
         self._load_optimizer_state_dict(state_dict)
+        self._gather_correction()
         self._schedule.load_state_dict(extra)
+
+    # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
+    _correction_for_stateless_params = True
+
+    def _publish_correction(self, pending: bool):
+        """A delayed_mix round in flight travels as per-parameter state, so torch.save and DCP carry it."""
+        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
+
+    def _gather_correction(self):
+        gather_named_state(self._buckets, self.state, CORRECTION)
 
     # ----------------------------------------------------------------------------------------- teardown
 

@@ -251,3 +251,49 @@ def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
 
 def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
     return b.numel * (torch.empty((), dtype=dtype or b.dtype).element_size())
+
+
+def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> None:
+    """opt.state[p][name]: views of each bucket's flat buffer `name` when `present` (for every parameter, or with
+    `stateless_too` False only those that have state already: a wrapped torch optimizer initializes a parameter's
+    state only when it finds none); removed from opt.state otherwise."""
+    for b in buckets:
+        buf = b.state.get(name) if present else None
+        for s in b.slots:
+            st = state.get(s.param)
+            if buf is not None and (st or stateless_too):
+                state[s.param][name] = b.view(buf, s)
+            elif st:
+                st.pop(name, None)
+
+
+@torch.no_grad()
+def gather_named_state(buckets: List[Bucket], state, name: str) -> None:
+    """After loading, opt.state[p][name] into each bucket's flat buffer `name` (load_state has put the fused
+    optimizers' there already, as views; a wrapped optimizer holds loose tensors)."""
+    for b in buckets:
+        parts = [(s, state.get(s.param, {}).get(name)) for s in b.slots]
+        if any(v is not None for _, v in parts):
+            buf = b.state_buffer(name)
+            for s, v in parts:
+                view = b.view(buf, s)
+                if v is not None and v.data_ptr() != view.data_ptr():
+                    view.copy_(v)
+
+
+@torch.no_grad()
+def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float, sparse_ok: bool) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored)."""
+    norms = []
+    for b in buckets:
+        gather_grads(b, sparse_ok)
+        for seg in segments(b, b.steps):
+            if seg.has_grad:
+                norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for b in buckets:
+        b.grad.mul_(coef.to(b.grad.device, b.grad.dtype))
+    return total

@@ -26,15 +26,16 @@ class MixPlan:
     # weights == [a / len(group)]; recv and send are empty.
     group: Optional[Tuple[int, ...]] = None
 
-    # delayed_mix: the last buffer mixed is this rank's own copy z of what it sent, with the weight -(1 - self_weight)
-    # of `weights`' last entry, and self_weight is 1: x <- x + sum_j w_j (y_j - z) (see Cadence.delayed_mix).
-    correction: bool = False
+    # delayed_mix (see Cadence.delayed_mix), self_weight 1: "sent": the last buffer mixed is this rank's own copy z
+    # of what it sent, with the weight -(1 - self_weight) of the plan launched: x <- x + sum_j w_j (y_j - z);
+    # "checkpoint": the one buffer mixed is that sum as a checkpoint saved it (weight 1).
+    correction: Optional[str] = None
 
     def as_correction(self, step: int) -> "MixPlan":
         """This plan applied at optimizer step `step` to parameters that moved on since its exchange was launched:
         x <- x + sum_j w_j y_j - (1 - self_weight) z = z' + (x - z), z' this plan's mix of the copies z sent."""
         return MixPlan(step, 1.0, self.recv, self.weights + [-(1.0 - self.self_weight)], self.send, self.factor,
-                       self.group, correction=True)
+                       self.group, correction="sent")
 
     @property
     def silent(self) -> bool:

@@ -37,6 +37,8 @@ from .tracing import traced
 log = logging.getLogger("decent_comm")
 
 MODES = ("awc", "atc")
+#: opt.state key of a delayed_mix round in flight when a checkpoint was taken (its mix, added at the next round)
+CORRECTION = "delayed_mix_correction"
 
 
 class GossipSchedule:
@@ -63,6 +65,8 @@ class GossipSchedule:
         self._resume_factor = None       # consensus factor of step t restored from a checkpoint
         self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
         self._sent: Dict[int, torch.Tensor] = {}  # delayed_mix: the copy z of each bucket in flight (wire dtype)
+        self._restored = False           # delayed_mix: a checkpoint's correction (b.state[CORRECTION]) is due
+        self._checkpointed = False       # delayed_mix: the last checkpoint_correction() found a round in flight
         self._hooks = None               # atc: MixBeforeUse
         self.device = buckets[0].device if buckets else torch.device("cpu")
         self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
@@ -185,7 +189,9 @@ class GossipSchedule:
                     who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
-        return bufs + [self._sent[b.index]] if plan.correction else bufs
+        if plan.correction == "sent":
+            return bufs + [self._sent[b.index]]
+        return [b.state[CORRECTION]] if plan.correction == "checkpoint" else bufs
 
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
         # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
@@ -203,7 +209,12 @@ class GossipSchedule:
         round, or after a resume or average_parameters()); a local step otherwise."""
         if self.cadence.delayed_mix:
             prev = self.inflight
-            if self.cadence.round_of(self.t) is None or prev is None or prev.silent:
+            if self.cadence.round_of(self.t) is None:
+                return MixPlan(self.t, 1.0, [], [], [], 1.0)
+            if self._restored:
+                self._restored = False
+                return MixPlan(self.t, 1.0, [], [1.0], [], 1.0, correction="checkpoint")
+            if prev is None or prev.silent:
                 return MixPlan(self.t, 1.0, [], [], [], 1.0)
             return prev.as_correction(self.t)
         plan = self.inflight
@@ -286,6 +297,7 @@ class GossipSchedule:
     def forget_inflight(self):
         """What neighbours sent is stale (the parameters were replaced): the next step exchanges afresh."""
         self.inflight = None
+        self._restored = False
 
     def _trim_recv_buffers(self):
         """After a switch, drop receive buffers the new candidate never needs (a dense graph holds many)."""
@@ -310,12 +322,32 @@ class GossipSchedule:
 
     # -------------------------------------------------------------------------------------------- state
 
+    @torch.no_grad()
+    def checkpoint_correction(self) -> bool:
+        """delayed_mix, after synchronize(): puts the mix of the round in flight, sum_j w_j (y_j - z), into every
+        bucket's CORRECTION state buffer and says whether there is one (a resumed run adds it at its next round,
+        where this run will mix the same values). Without one, the buffers are dropped."""
+        pending = self._restored
+        prev = self.inflight
+        if self.cadence.delayed_mix and not pending and prev is not None and not prev.silent:
+            plan = prev.as_correction(self.t)
+            for b in self.buckets:
+                c = b.state_buffer(CORRECTION)
+                c.zero_()
+                ops.gossip_mix_(c, self.received(b, plan), 0.0, plan.weights)
+            pending = True
+        if not pending:
+            for b in self.buckets:
+                b.state.pop(CORRECTION, None)
+        self._checkpointed = pending
+        return pending
+
     def state_dict(self) -> dict:
         # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
         nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
                     gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
-                    delayed_mix=self.cadence.delayed_mix,
+                    delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
@@ -342,6 +374,12 @@ class GossipSchedule:
                 self.consensus.load_state_dict(extra["consensus"])
             if self.adaptive is not None:
                 self.adaptive.load_state_dict(extra.get("adaptive"))
+        self._restored = bool(extra and extra.get("delayed_pending"))
+        missing = [b.index for b in self.buckets if CORRECTION not in b.state]
+        if self._restored and missing:
+            raise ValueError(f"the checkpoint has a delayed_mix round in flight but no '{CORRECTION}' state for the "
+                             f"parameters of bucket(s) {missing}: load the optimizer state and its 'decentralized' "
+                             "entry from the same state_dict")
         # Whatever was in flight carried the old parameters: start the next exchange afresh.
         self.complete_transfers()
         self.inflight = None

@@ -22,6 +22,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     """
 
     _sparse_grads_ok = True  # the wrapped optimizer sees the dense gradient views
+    _correction_for_stateless_params = False  # torch.optim initializes a parameter's state only when it is empty
 
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
         if not isinstance(inner, torch.optim.Optimizer):
