@@ -1,8 +1,7 @@
 """Time to a target validation loss on the emulated cluster: what users buy decentralized training for.
 
     sudo .venv/bin/python bench/time_to_target.py --quick                 # smoke run, ~4 min on 2 cores
-    sudo .venv/bin/python bench/time_to_target.py --layouts 4x1 \\
-        --configs "ddp;periodic8/s600;one-peer-exp/awc/k2/bf16/s400" --seeds 0,1
+    sudo .venv/bin/python bench/time_to_target.py --layouts 4x1,2x2 --seeds 0,1    # docs/time_to_target.md
 
 For a workload (--workload lm: examples/train_lm.py's GPT; digits: the classifier), each cluster layout
 (--layouts NODESxRANKS) and each link phase (--links comm: --comm-bw, default the workload's comm-bound bandwidth;
@@ -40,8 +39,10 @@ from decent_train.cluster import format_bits, parse_bandwidth_bits
 HERE = os.path.dirname(os.path.abspath(__file__))
 log = logging.getLogger("time_to_target")
 
-QUICK_CONFIGS = "ddp/s40;periodic8/s60;one-peer-exp/awc/k2/bf16/s60"
-DEFAULT_CONFIGS = "ddp;periodic8/s600;one-peer-exp/atc;one-peer-exp/awc/k2/bf16/s400"
+QUICK_CONFIGS = "ddp/s40;periodic8/s60;one-peer-exp/awc/k2/bf16/delayed/s60"
+# docs/time_to_target.md: the winner at 4 x 1 and at 2 x 2, and the best periodic averaging
+DEFAULT_CONFIGS = ("ddp;periodic8/s400;one-peer-exp/awc/k2/bf16/delayed/s400;"
+                   "one-peer-hypercube/awc/k2/bf16/delayed/s400")
 
 
 # ------------------------------------------------------------------------------------------ the jobs

@@ -170,3 +170,27 @@ def test_cadence_flags_reach_the_optimizer(optimizer):
     assert (cadence.gossip_every, cadence.warmup_steps, cadence.delayed_mix) == (3, 2, True)
     defaults = lm.parse_args([])
     assert (defaults.gossip_every, defaults.warmup_steps, defaults.delayed_mix) == (1, 0, False)
+
+
+def test_race_specs_build_what_they_say():
+    """bench/ttt_configs.py's specs (the races of docs/time_to_target.md) become train_lm flags that build the
+    optimizer they name: the README's slow-link recipe and periodic averaging."""
+    import importlib.util
+
+    import torch
+
+    from decent_train.distributed import DistEnv
+    from decent_train.strategy import build_strategy
+
+    spec = importlib.util.spec_from_file_location("ttt_configs", os.path.join(ROOT, "bench", "ttt_configs.py"))
+    ttt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttt)
+    for text, want in [("one-peer-exp/awc/k2/bf16/delayed/s400", ("one-peer-exp", "awc", 2, True, torch.bfloat16)),
+                       ("periodic8", ("complete", "atc", 8, False, None))]:
+        cfg = ttt.parse(text, 300)
+        args = resolve_defaults(lm.parse_args(list(cfg.flags) + ["--steps", str(cfg.steps)]), lm.LR_DEFAULTS, 1)
+        opt = build_strategy(args, torch.nn.Linear(3, 2), DistEnv()).optimizer
+        c = opt._schedule.cadence
+        assert (opt.topology.name, opt.mode, c.gossip_every, c.delayed_mix, opt.comm_dtype) == want, text
+    with pytest.raises(ValueError, match="unknown token 'delay'"):
+        ttt.parse("one-peer-exp/delay", 300)
