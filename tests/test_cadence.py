@@ -1,6 +1,6 @@
 """A communication interval (gossip every k steps, local steps between) and an all-reduce warm-up (the first w
-steps average the gradients, as torch's PostLocalSGDOptimizer), against the float64 dense simulation of all ranks,
-for every optimizer and both modes; they are kept in state_dict (a resume mid-interval continues exactly) and
+steps average the gradients, as torch's PostLocalSGDOptimizer), with and without delayed_mix, against the float64
+dense simulation of all ranks, for every optimizer and both modes (delayed_mix: awc); they are kept in state_dict (a resume mid-interval continues exactly) and
 checked at start-up like every option."""
 
 import itertools
@@ -15,13 +15,17 @@ from dist_utils import run_ranks
 from optim_cases import OPTIMIZERS, flat_params, make_model, run_against_reference, train_steps
 
 CADENCES = {"every3": dict(gossip_every=3), "warmup4": dict(warmup_steps=4),
-            "warmup3-every2": dict(gossip_every=2, warmup_steps=3)}
+            "warmup3-every2": dict(gossip_every=2, warmup_steps=3),
+            # delayed_mix (awc only): each round's exchange mixed in at the next round (tests/test_delayed_mix.py)
+            "delayed-every1": dict(delayed_mix=True), "delayed-every3": dict(gossip_every=3, delayed_mix=True),
+            "delayed-warmup2-every2": dict(gossip_every=2, warmup_steps=2, delayed_mix=True)}
 
 
 def _every_optimizer(rank, n, cadence):
     topos = {"one-peer-exp": T.make("one-peer-exp", n), "complete": T.make("complete", n)}
+    modes = ["awc"] if CADENCES[cadence].get("delayed_mix") else ["awc", "atc"]
     return {(o, name, mode): run_against_reference(rank, n, o, topo, mode, steps=11, **CADENCES[cadence])
-            for o, (name, topo), mode in itertools.product(OPTIMIZERS, topos.items(), ["awc", "atc"])}
+            for o, (name, topo), mode in itertools.product(OPTIMIZERS, topos.items(), modes)}
 
 
 @pytest.mark.parametrize("cadence", sorted(CADENCES))

@@ -1,11 +1,10 @@
 """delayed_mix: each gossip round's exchange stays in flight for the whole interval and is mixed in at the next
-round as a correction, against the float64 dense simulation of all ranks (tests/optim_reference.py), for every
-optimizer, point-to-point and group (all-reduce) rounds, with and without a bf16 wire; bytes move only at rounds;
-the option is checked like every other (mode, agreement across ranks) and a checkpoint resumes exactly, the round
-in flight included."""
+round as a correction. Against the float64 dense simulation of all ranks (tests/optim_reference.py): every
+optimizer, point-to-point and group (all-reduce) rounds in tests/test_cadence.py, a bf16 wire here. Bytes move only
+at rounds; the option is checked like every other (mode, agreement across ranks) and a checkpoint resumes exactly,
+the round in flight included."""
 
 import io
-import itertools
 
 import pytest
 import torch
@@ -14,24 +13,7 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, flat_params, make_model, run_against_reference, train_steps
-
-CADENCES = {"every1": dict(gossip_every=1), "every3": dict(gossip_every=3),
-            "warmup2-every2": dict(gossip_every=2, warmup_steps=2)}
-
-
-def _every_optimizer(rank, n, cadence):
-    topos = {"one-peer-exp": T.make("one-peer-exp", n), "complete": T.make("complete", n)}
-    return {(o, name): run_against_reference(rank, n, o, topo, "awc", steps=11, delayed_mix=True,
-                                             **CADENCES[cadence])
-            for o, (name, topo) in itertools.product(OPTIMIZERS, topos.items())}
-
-
-@pytest.mark.parametrize("cadence", sorted(CADENCES))
-def test_delayed_mix_matches_dense_simulation(cadence):
-    for r, errs in enumerate(run_ranks(_every_optimizer, 3, cadence, timeout=600)):
-        bad = {k: e for k, e in errs.items() if not e < 1e-5}
-        assert not bad, (r, bad)
+from optim_cases import flat_params, make_model, run_against_reference, train_steps
 
 
 def _bf16_wire(rank, n):
