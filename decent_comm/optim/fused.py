@@ -49,8 +49,8 @@ _DOC_OPTIONS = """
             parameters, and mix it in at the next round as a correction x <- x + sum_j w_j (x_j' - x') (x' the
             copies sent): the transfer overlaps the whole interval of gossip_every steps instead of one forward and
             backward, so on slow links a round costs no waiting once gossip_every steps of compute cover it. Costs
-            one copy of the parameters in the wire dtype. A checkpoint resumes with the next round starting afresh
-            (the round in flight is dropped on every rank alike).
+            one copy of the parameters in the wire dtype. A checkpoint carries the round in flight (per-parameter
+            state "delayed_mix_correction"), so a resume continues exactly.
         check_finite: raise, naming the rank, the step and the bucket, when a rank's parameters become non-finite
             (checked before they are sent) or a neighbour's arrive non-finite, instead of letting a NaN spread
             through the gossip silently. Costs a device sync per bucket and step: for debugging.

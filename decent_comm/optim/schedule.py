@@ -137,10 +137,13 @@ class GossipSchedule:
 
     # -------------------------------------------------------------------------------------- communication
 
+    def _wire_buffer(self, b) -> torch.Tensor:
+        return torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device)
+
     def _recv_buffers(self, b, k: int) -> List[torch.Tensor]:
         bufs = self._recv[b.index]
         while len(bufs) < k:
-            bufs.append(torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device))
+            bufs.append(self._wire_buffer(b))
         return bufs[:k]
 
     def _send_buffer(self, b) -> torch.Tensor:
@@ -150,7 +153,7 @@ class GossipSchedule:
             return b.flat
         z = self._sent.get(b.index)
         if z is None:
-            z = self._sent[b.index] = torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device)
+            z = self._sent[b.index] = self._wire_buffer(b)
         return z.copy_(b.flat)
 
     @traced("exchange_launch")
@@ -208,14 +211,12 @@ class GossipSchedule:
         delayed_mix: on a gossip round, the correction by the previous round's exchange (none before the first
         round, or after a resume or average_parameters()); a local step otherwise."""
         if self.cadence.delayed_mix:
-            prev = self.inflight
-            if self.cadence.round_of(self.t) is None:
-                return MixPlan(self.t, 1.0, [], [], [], 1.0)
-            if self._restored:
+            if self.cadence.round_of(self.t) is not None and self._restored:
                 self._restored = False
                 return MixPlan(self.t, 1.0, [], [1.0], [], 1.0, correction="checkpoint")
-            if prev is None or prev.silent:
-                return MixPlan(self.t, 1.0, [], [], [], 1.0)
+            prev = self.inflight
+            if self.cadence.round_of(self.t) is None or prev is None or prev.silent:
+                return MixPlan(self.t, 1.0, [], [], [], 1.0)  # a local step
             return prev.as_correction(self.t)
         plan = self.inflight
         if plan is None or plan.step != self.t:
