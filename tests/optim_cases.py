@@ -63,23 +63,32 @@ def doubly_stochastic(n, seed):
 
 
 def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0, comm_dtype=None,
-                          scheduler=None, probe=None, give_model=True, model_fn=None, **cadence):
+                          scheduler=None, probe=None, give_model=True, model_fn=None, overflow=None, **cadence):
     """Trains rank `rank`'s replica and the float64 dense simulation of all ranks side by side; returns the
     largest deviation of this rank's parameters from the simulation. ``give_model``: pass ``model=`` in ATC mode
-    (else the optimizer finds the modules itself)."""
+    (else the optimizer finds the modules itself). ``overflow``: train under torch.amp.GradScaler, with the loss of
+    these (rank, step) pairs made infinite."""
     ctor, kind, hp = OPTIMIZERS[opt_name]
     make_model_ = model_fn or make_model
     models = [make_model_(seed) for seed in range(n)]  # distinct replicas, known to every rank
     model = models[rank]
     ref = Reference(make_model_(0), [flat_params(m) for m in models], topo, mode, kind, hp, consensus=consensus,
-                    wire_dtype=comm_dtype, **cadence)
+                    wire_dtype=comm_dtype, overflow=overflow or (), **cadence)
+    # powers of two: unscaling is exact, so the simulation's unscaled gradients are the kernels'
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if overflow is not None else None
     opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" and give_model else None,
                broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30, **cadence)
     for t in range(steps):
         x, y = batch(rank, t)
         opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
+        loss = ((model(x) - y) ** 2).mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            (scaler.scale(loss) * (float("inf") if (rank, t) in overflow else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
         ref.step([batch(r, t) for r in range(n)])
     opt.synchronize()
     err = (flat_params(model).double() - ref.X[rank]).abs().max().item()

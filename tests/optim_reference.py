@@ -12,6 +12,10 @@ first round mixes nothing.
 with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' parameters as rows of X, the
 gradients from a float64 copy of the model, and the update directions from the formulas in
 mix_reference.py (not from the kernels).
+
+overflow (GradScaler): the (rank, t) pairs whose gradient overflows. That rank skips its update at t (AWC:
+x <- its mix; ATC: x is mixed un-updated), its state and step count stay; in the warm-up (the gradients are
+all-reduced) every rank skips.
 """
 
 import torch
@@ -22,7 +26,7 @@ from mix_reference import accum_adam64, adam64, sgd64
 
 class Reference:
     def __init__(self, model, init_flats, topology, mode, kind, hp, consensus=1.0, wire_dtype=None, gossip_every=1,
-                 warmup_steps=0, delayed_mix=False):
+                 warmup_steps=0, delayed_mix=False, overflow=()):
         self.model = model.double()
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -37,6 +41,9 @@ class Reference:
         self.state = [dict(m=torch.zeros_like(x), v=torch.zeros_like(x), a=torch.zeros_like(x),
                            b=torch.zeros_like(x)) for x in self.X]
         self.t = 0
+        self.counts = [0] * self.n  # updates applied per rank (an overflow-skipped step does not count)
+        self.overflow = set(overflow)
+        self.skipping = set()  # ranks that skip the update of the current step
 
     def _params(self, flat):
         out, off = {}, 0
@@ -91,10 +98,13 @@ class Reference:
         return out
 
     def _direction(self, i, x_old, mixed, g):
-        hp, st, step = self.hp, self.state[i], self.t + 1
+        if i in self.skipping:
+            return mixed
+        hp, st, step = self.hp, self.state[i], self.counts[i] + 1
+        self.counts[i] += 1
         if self.kind == "sgd":
             x, st["b"] = sgd64(x_old, mixed, g, st["b"], hp["lr"], hp.get("momentum", 0.0), hp.get("dampening", 0.0),
-                               hp.get("weight_decay", 0.0), hp.get("nesterov", False), first_step=self.t == 0)
+                               hp.get("weight_decay", 0.0), hp.get("nesterov", False), first_step=step == 1)
             return x
         if self.kind in ("adam", "adamw"):
             x, st["m"], st["v"] = adam64(x_old, mixed, g, st["m"], st["v"], step, hp["lr"], hp["betas"][0],
@@ -107,8 +117,10 @@ class Reference:
 
     def step(self, batches):
         G = [self.grad(self.X[i], batches[i]) for i in range(self.n)]
+        self.skipping = {i for i in range(self.n) if (i, self.t) in self.overflow}
         if self.t < self.warmup_steps:  # warm-up: every rank steps with the mean gradient (DDP)
             G = [sum(G) / self.n] * self.n
+            self.skipping = set(range(self.n)) if self.skipping else set()
         W = self._W()
         if self.delayed_mix:
             mixed = self._correct(self.X)

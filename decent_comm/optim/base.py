@@ -15,15 +15,16 @@ fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_dist
 """
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 from .. import ops
-from . import diagnostics
+from . import amp, diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import (Bucket, build_buckets, clip_grad_norm, count_steps, gather_grads, gather_named_state, load_state,
-                      publish_named_state, publish_state, segments, zero_grads)
+from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads,
+                      gather_named_state, load_state, publish_named_state, publish_state, refine_classes, segments,
+                      spread_count, zero_grads)
 from .plan import Cadence
 from .schedule import CORRECTION, MODES, GossipSchedule
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
@@ -33,14 +34,16 @@ from .tracing import traced
 __all__ = ["DecentralizedMixin", "MODES"]
 
 
-class DecentralizedMixin:
+class DecentralizedMixin(diagnostics.ReplicaWatch):
     """Mixed into a torch.optim.Optimizer subclass. A fused subclass implements `_local_update(bucket, seg_slice,
-    group, step, neighbors, self_weight, weights, disagreement)`, one fused kernel call over a slice of a bucket;
-    ``Decentralized`` overrides `_update_awc` and `_update_local` instead."""
+    group, step, neighbors, self_weight, weights, disagreement, **device_scalars)`, one fused kernel call over a
+    slice of a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf
+    keywords in device_scalars); ``Decentralized`` overrides `_update_awc` and `_update_local` instead."""
 
-    # GradScaler then calls step() even on overflow (passing grad_scale / found_inf), so a rank that skips
-    # its update still keeps the exchange schedule in lockstep with its neighbours.
+    # GradScaler calls step() even on overflow, passing grad_scale / found_inf (decent_comm.optim.amp); the fused
+    # kernels read them on the device.
     _step_supports_amp_scaling = True
+    _amp_in_kernel = False
     # Whether a sparse gradient may be densified: the update equals torch's from the sparse one (SGD), or the
     # wrapped optimizer sees dense gradients anyway; Adam-family fused kernels refuse them, as torch.optim.Adam.
     _sparse_grads_ok = False
@@ -62,6 +65,7 @@ class DecentralizedMixin:
         self._ddp_guard = DDPGuard(self, self._buckets, model)
         self._num_groups = len(self.param_groups)
         self._closure, self._closure_loss = None, None
+        self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         self._model = model
         if self.world_size > 1:
             config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
@@ -109,17 +113,17 @@ class DecentralizedMixin:
 
     # ---------------------------------------------------------------------------------------------- step
 
-    def _amp_unscale_and_check(self) -> bool:
-        """GradScaler protocol: unscale when asked, and tell whether this step's update must be skipped."""
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) > 0:
-            return True
-        if grad_scale is not None:
-            inv = 1.0 / grad_scale.double() if torch.is_tensor(grad_scale) else 1.0 / grad_scale
+    def _amp_for_step(self):
+        """GradScaler's scalars (decent_comm.optim.amp): those the kernels read (or None), and whether the host
+        path says to skip this step's update."""
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        in_kernel = amp.kernel_amp(grad_scale, found_inf, [b.device for b in self._buckets]) \
+            if self._amp_in_kernel else None
+        if in_kernel is not None:
             for b in self._buckets:
-                b.grad.mul_(inv.to(b.grad.device) if torch.is_tensor(inv) else inv)
-        return False
+                count_on_device(b, self.state)
+            return in_kernel, False
+        return None, amp.host_unscale_and_check(grad_scale, found_inf, [b.grad for b in self._buckets])
 
     def add_param_group(self, param_group: dict):
         if hasattr(self, "_schedule"):  # torch's __init__ adds the initial groups before the buckets exist
@@ -155,7 +159,7 @@ class DecentralizedMixin:
             gather_grads(b, self._sparse_grads_ok)
         found_inf = getattr(self, "found_inf", None)
         self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
-        skip_update = self._amp_unscale_and_check()
+        self._amp, skip_update = self._amp_for_step()
         if self.mode == "awc":
             self._step_awc(skip_update)
         else:
@@ -225,80 +229,27 @@ class DecentralizedMixin:
 
     def _update_bucket(self, b: Bucket, neighbors, self_weight, weights, skip_update: bool):
         """One fused call per segment of the bucket: update where gradients exist, plain mix elsewhere. When
-        mixing and tracking, segment k's disagreement goes to the bucket's slot k."""
+        mixing and tracking, segment k's disagreement goes to the bucket's slot k. With the step counts on the
+        device the kernel reads and advances the segment's count (and GradScaler's scalars, when this step has
+        them); the host passes no step."""
         group = self.param_groups[b.group_index]
         mixing = bool(neighbors) or self_weight != 1.0
-        for k, seg in enumerate(segments(b, b.steps)):
+        on_device = b.classes is not None
+        for k, seg in enumerate(segments(b, b.count_keys)):
             sl = slice(seg.start, seg.stop)
             nbs = [y[sl] for y in neighbors]
             dis = self._schedule.meter.slot(b, k) if mixing else None
             if seg.has_grad and not skip_update:
-                self._local_update(b, sl, group, seg.step, nbs, self_weight, weights, disagreement=dis)
+                kw = dict(self._amp.op_kwargs() if self._amp else {}, state_step=b.step_count[seg.first:seg.first + 1])
+                self._local_update(b, sl, group, None if on_device else seg.step, nbs, self_weight, weights,
+                                   disagreement=dis, **(kw if on_device else {}))
+                if on_device:
+                    spread_count(b, seg)
             elif mixing:
                 ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis)
         if not skip_update:
-            count_steps(b)
-            publish_state(b, self.state)
-
-    # -------------------------------------------------------------------------------------- diagnostics
-
-    @property
-    def last_disagreement(self) -> float:
-        """This rank's disagreement with its neighbours at the last mix: sum over all parameters of
-        ||mixed - x_old||^2, mixed = sum_j W'_ij x_j (the squared distance to the neighbourhood average, scaled by
-        the consensus factor), computed by the fused kernels in the same pass as the mix. Local (no
-        communication); reading it waits for the device. 0.0 before the first mix or without mixing. In ATC
-        mode it is that of the last exchange once every bucket has been mixed (the mix runs at the next step or
-        in the forward pre-hooks). ``disagreement(all_reduce=True)`` gives the mean over ranks."""
-        return self._schedule.meter.last()
-
-    @torch.no_grad()
-    def disagreement(self, all_reduce: bool = False, per_bucket: bool = False):
-        """``last_disagreement`` (a float), or per bucket (a list, bucket order) with ``per_bucket=True``.
-        ``all_reduce=True`` returns the mean over ranks (a collective: every rank must call it)."""
-        out = self._schedule.meter.values(per_bucket, self._schedule.device)
-        if all_reduce and self.world_size > 1:
-            diagnostics.all_reduce_mean_(out, self.process_group, self.world_size)
-        return out.tolist() if per_bucket else float(out[0])
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has put on the wire for gossip so far (0 without communication)."""
-        return self._schedule.bytes_sent
-
-    @torch.no_grad()
-    def replica_variance(self, every: int = 1, *, names=None) -> Optional[Dict[str, Dict[str, float]]]:
-        """DBench-style per-tensor statistics of the replicas, exact, with one collective.
-
-        Due when the number of optimizer steps taken is a multiple of ``every`` (step 0 included); returns None
-        (and communicates nothing) otherwise. When due it is a collective: call it at the same point of the loop
-        on every rank (the due steps then agree). ATC: the pending mix is applied first.
-
-        Returns ``{name: {"variance", "norm", "norm_rms", "avg_norm", "numel"}}`` in param-group order:
-          variance: mean over the tensor's elements of the variance across replicas,
-                    (1 / (n numel)) sum_i ||x_i - xbar||^2 (sum over the tensors times numel gives the consensus
-                    distance of ``consensus_distance()``);
-          norm:     ||x_i||, this rank's tensor before averaging;
-          norm_rms: sqrt((1/n) sum_i ||x_i||^2), the replicas' norms before averaging;
-          avg_norm: ||xbar||, the norm of the averaged tensor.
-        Names come from ``names`` (an nn.Module, a dict name -> parameter, or (name, parameter) pairs), else
-        from the ``model`` given to the optimizer, else "group{g}.param{i}". One all-reduce of a float64 buffer
-        of the parameters plus one scalar per tensor (about twice the fp32 model's bytes).
-        """
-        if isinstance(every, bool) or int(every) != every or every < 1:
-            raise ValueError(f"every must be a positive integer, got {every!r}")
-        if self._schedule.t % int(every):
-            return None
-        self.synchronize()
-        names_of = diagnostics.param_names(self.param_groups, names if names is not None else self._model)
-        return diagnostics.replica_variance(self._buckets, self._param_list(), names_of, self.process_group,
-                                            self.world_size)
-
-    @torch.no_grad()
-    def consensus_distance(self) -> float:
-        """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
-        self.synchronize()
-        return diagnostics.consensus_distance(self._buckets, self.process_group, self.world_size)
+            refine_classes(b) if on_device else count_steps(b)
+            publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots] if on_device else None)
 
     # ------------------------------------------------------------------------------------------ grad utils
 

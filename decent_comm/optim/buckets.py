@@ -41,10 +41,18 @@ class Bucket:
     # is a view of its entry, so what torch.optim tools read and write is what the kernels use.
     step_count: torch.Tensor = None
     published: List[bool] = field(default_factory=list)  # per slot: opt.state[p] holds its views
+    # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
+    # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
+    classes: Optional[List[int]] = None
 
     @property
     def steps(self) -> List[int]:
         return [int(v) for v in self.step_count.tolist()]
+
+    @property
+    def count_keys(self) -> List[int]:
+        """Per slot, a key that is equal for slots whose step counts are equal (read without a device sync)."""
+        return self.steps if self.classes is None else self.classes
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         return flat[slot.offset: slot.offset + slot.numel].view_as(slot.param)
@@ -121,7 +129,9 @@ class Segment:
     start: int
     stop: int
     has_grad: bool
-    step: int
+    step: int    # the slots' key: the step count (or the count class, see Bucket.classes)
+    first: int   # the slots it spans: first .. last
+    last: int
 
 
 def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
@@ -173,11 +183,12 @@ def segments(b: Bucket, steps: List[int]) -> List[Segment]:
         stop = s.offset + s.numel
         if out and out[-1].has_grad == has and out[-1].step == steps[i]:
             out[-1].stop = stop
+            out[-1].last = i
         else:
             if out:
                 # padding between parameters goes with the previous run
                 out[-1].stop = start
-            out.append(Segment(start, stop, has, steps[i]))
+            out.append(Segment(start, stop, has, steps[i], i, i))
     if out:
         out[0].start = 0
         out[-1].stop = b.numel
@@ -205,14 +216,42 @@ def count_steps(b: Bucket) -> None:
         b.step_count.add_(torch.tensor(has, dtype=torch.float32))
 
 
-def publish_state(b: Bucket, state, include_unstepped: bool = False) -> None:
-    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`): views
-    of the bucket's flat state buffers and of its step count (torch.optim semantics: no state before a
-    parameter's first update)."""
+def _classes_of(keys) -> List[int]:
+    ids = {}
+    return [ids.setdefault(k, len(ids)) for k in keys]
+
+
+def refine_classes(b: Bucket) -> None:
+    """After a step whose update the kernels may have skipped (found_inf, on the device): every slot with a
+    gradient was updated, or none was. So slots that agreed before and agree on having had a gradient agree now."""
+    b.classes = _classes_of(zip(b.classes, (s.param.grad is not None for s in b.slots)))
+
+
+def count_on_device(b: Bucket, state) -> None:
+    """From now on the kernels keep `b`'s step counts (on the bucket's device, read and advanced there)."""
+    if b.classes is not None:
+        return
+    b.classes = _classes_of(b.steps)  # the counts are still on the host here: no device sync
+    b.step_count = b.step_count.to(b.device)
+    for i, s in enumerate(b.slots):
+        if b.published[i]:
+            state[s.param]["step"] = b.step_count[i]
+
+
+def spread_count(b: Bucket, seg: Segment) -> None:
+    """The kernel advanced the count of the segment's first slot: the others of the segment take it."""
+    if seg.last > seg.first:
+        b.step_count[seg.first + 1: seg.last + 1].copy_(b.step_count[seg.first])
+
+
+def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Optional[List[bool]] = None) -> None:
+    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
+    `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
+    semantics: no state before a parameter's first update)."""
     if all(b.published):
         return
     for i, s in enumerate(b.slots):
-        if not b.published[i] and (include_unstepped or b.step_count[i] > 0):
+        if not b.published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
             st = state[s.param]
             for name, buf in b.state.items():
                 st[name] = b.view(buf, s)
@@ -241,6 +280,8 @@ def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state) 
             elif value is not None:
                 b.view(b.state_buffer(name), b.slots[i]).copy_(value)
     for b in buckets:
+        if b.classes is not None:  # the loaded counts decide which slots agree
+            b.classes = _classes_of(b.step_count.tolist())
         publish_state(b, state)
 
 
@@ -287,7 +328,7 @@ def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float, spa
     norms = []
     for b in buckets:
         gather_grads(b, sparse_ok)
-        for seg in segments(b, b.steps):
+        for seg in segments(b, [0] * len(b.slots)):
             if seg.has_grad:
                 norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
     if not norms:

@@ -117,7 +117,7 @@ def param_names(param_groups, names) -> Dict[int, str]:
 @torch.no_grad()
 def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, str], process_group,
                      world_size: int) -> Dict[str, Dict[str, float]]:
-    """Per-tensor statistics of the replicas (see DecentralizedMixin.replica_variance), in `params` order, with
+    """Per-tensor statistics of the replicas (see ReplicaWatch.replica_variance), in `params` order, with
     one all-reduce of a float64 buffer of the parameters plus one scalar per tensor."""
     order = {id(p): k for k, p in enumerate(params)}
     slots = sorted(((b, s) for b in buckets for s in b.slots), key=lambda bs: order[id(bs[1].param)])
@@ -146,3 +146,65 @@ def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, st
     for (b, s), (v, nrm, rms, avgn) in zip(slots, rows):
         out[names_of[id(s.param)]] = dict(variance=v / s.numel, norm=nrm, norm_rms=rms, avg_norm=avgn, numel=s.numel)
     return out
+
+
+class ReplicaWatch:
+    """The optimizers' methods for watching the replicas (mixed into DecentralizedMixin, whose schedule, buckets
+    and process group they read)."""
+
+    @property
+    def last_disagreement(self) -> float:
+        """This rank's disagreement with its neighbours at the last mix: sum over all parameters of
+        ||mixed - x_old||^2, mixed = sum_j W'_ij x_j (the squared distance to the neighbourhood average, scaled by
+        the consensus factor), computed by the fused kernels in the same pass as the mix. Local (no
+        communication); reading it waits for the device. 0.0 before the first mix or without mixing. In ATC
+        mode it is that of the last exchange once every bucket has been mixed (the mix runs at the next step or
+        in the forward pre-hooks). ``disagreement(all_reduce=True)`` gives the mean over ranks."""
+        return self._schedule.meter.last()
+
+    @torch.no_grad()
+    def disagreement(self, all_reduce: bool = False, per_bucket: bool = False):
+        """``last_disagreement`` (a float), or per bucket (a list, bucket order) with ``per_bucket=True``.
+        ``all_reduce=True`` returns the mean over ranks (a collective: every rank must call it)."""
+        out = self._schedule.meter.values(per_bucket, self._schedule.device)
+        if all_reduce and self.world_size > 1:
+            all_reduce_mean_(out, self.process_group, self.world_size)
+        return out.tolist() if per_bucket else float(out[0])
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for gossip so far (0 without communication)."""
+        return self._schedule.bytes_sent
+
+    @torch.no_grad()
+    def replica_variance(self, every: int = 1, *, names=None) -> Optional[Dict[str, Dict[str, float]]]:
+        """DBench-style per-tensor statistics of the replicas, exact, with one collective.
+
+        Due when the number of optimizer steps taken is a multiple of ``every`` (step 0 included); returns None
+        (and communicates nothing) otherwise. When due it is a collective: call it at the same point of the loop
+        on every rank (the due steps then agree). ATC: the pending mix is applied first.
+
+        Returns ``{name: {"variance", "norm", "norm_rms", "avg_norm", "numel"}}`` in param-group order:
+          variance: mean over the tensor's elements of the variance across replicas,
+                    (1 / (n numel)) sum_i ||x_i - xbar||^2 (sum over the tensors times numel gives the consensus
+                    distance of ``consensus_distance()``);
+          norm:     ||x_i||, this rank's tensor before averaging;
+          norm_rms: sqrt((1/n) sum_i ||x_i||^2), the replicas' norms before averaging;
+          avg_norm: ||xbar||, the norm of the averaged tensor.
+        Names come from ``names`` (an nn.Module, a dict name -> parameter, or (name, parameter) pairs), else
+        from the ``model`` given to the optimizer, else "group{g}.param{i}". One all-reduce of a float64 buffer
+        of the parameters plus one scalar per tensor (about twice the fp32 model's bytes).
+        """
+        if isinstance(every, bool) or int(every) != every or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        if self._schedule.t % int(every):
+            return None
+        self.synchronize()
+        names_of = param_names(self.param_groups, names if names is not None else self._model)
+        return replica_variance(self._buckets, self._param_list(), names_of, self.process_group, self.world_size)
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
+        self.synchronize()
+        return consensus_distance(self._buckets, self.process_group, self.world_size)

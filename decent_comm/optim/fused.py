@@ -64,6 +64,12 @@ def _split_options(kwargs):
     return {**_DECENTRALIZED_DEFAULTS, **kwargs}
 
 
+def _next(step):
+    """The 1-based count after this update from the host count before it; None when the kernel counts
+    (`state_step` among the device scalars, decent_comm.optim.amp)."""
+    return None if step is None else step + 1
+
+
 _TORCH_NAME = {"DSGD": "SGD", "DAdam": "Adam", "DAdamW": "AdamW"}
 
 
@@ -91,6 +97,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
 class DSGD(DecentralizedMixin, torch.optim.Optimizer):
     __doc__ = "Decentralized torch.optim.SGD (momentum, dampening, nesterov, weight_decay as torch)." + _DOC_OPTIONS
     _sparse_grads_ok = True
+    _amp_in_kernel = True
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
                  foreach=None, differentiable=False, fused=None, **decentralized):
@@ -108,16 +115,17 @@ class DSGD(DecentralizedMixin, torch.optim.Optimizer):
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
         momentum = group["momentum"]
         buf = b.state_buffer("momentum_buffer")[sl] if momentum != 0 else None
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
                      group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0,
-                     disagreement=disagreement)
+                     disagreement=disagreement, **device_scalars)
 
 
 class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
     _decoupled = False
+    _amp_in_kernel = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, _extra_defaults=None,
@@ -133,11 +141,11 @@ class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
         beta1, beta2 = group["betas"]
         ops.mix_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
-                      b.state_buffer("exp_avg_sq")[sl], step + 1, group["lr"], beta1, beta2, group["eps"],
-                      group["weight_decay"], self._decoupled, disagreement=disagreement)
+                      b.state_buffer("exp_avg_sq")[sl], _next(step), group["lr"], beta1, beta2, group["eps"],
+                      group["weight_decay"], self._decoupled, disagreement=disagreement, **device_scalars)
 
 
 class DAdam(_AdamBase):
@@ -166,12 +174,12 @@ class AccumAdam(_AdamBase):
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq", "accum"]
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
         beta1, beta2 = group["betas"]
         ops.mix_accum_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
-                            b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], step + 1,
+                            b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], _next(step),
                             group["accum_steps"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                            self._decoupled, disagreement=disagreement)
+                            self._decoupled, disagreement=disagreement, **device_scalars)
 
 
 class AccumAdamW(AccumAdam):

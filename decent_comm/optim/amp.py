@@ -1,0 +1,58 @@
+"""torch.amp.GradScaler's protocol for the decentralized optimizers.
+
+GradScaler.step(opt) sets ``opt.grad_scale`` (its scale; None once ``scaler.unscale_(opt)`` ran) and
+``opt.found_inf`` (the sum of its per-device overflow flags) and calls ``opt.step()`` even on overflow, so a rank
+that skips its update still keeps the exchange schedule in lockstep with its neighbours.
+
+Two ways to honour it:
+- in the kernel (the fused optimizers, when both are float32 one-element tensors on the parameters' device, as
+  GradScaler makes them): the fused ops unscale the gradient, skip the update and count the step on the device,
+  as torch's fused Adam does, so a step under GradScaler never waits for the device. The step counts then live
+  on the device (``opt.state[p]["step"]``, as torch's fused Adam keeps them) and the host no longer knows them;
+  it only knows which parameters had gradients at which steps, which is enough to group the parameters whose
+  counts agree (``buckets.refine_classes``);
+- on the host (the wrapped torch optimizer, or scalars the kernels cannot take): read found_inf (one
+  synchronization) and unscale the flat gradients before the update.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class KernelAmp:
+    """GradScaler's scalars as the fused ops take them (keyword arguments grad_scale / found_inf)."""
+
+    grad_scale: Optional[torch.Tensor]
+    found_inf: torch.Tensor
+
+    def op_kwargs(self) -> dict:
+        return dict(grad_scale=self.grad_scale, found_inf=self.found_inf)
+
+
+def _kernel_scalar(t, device: torch.device) -> bool:
+    return torch.is_tensor(t) and t.dtype == torch.float32 and t.numel() == 1 and t.device == device
+
+
+def kernel_amp(grad_scale, found_inf, devices: List[torch.device]) -> Optional[KernelAmp]:
+    """The scalars for the kernels when they can read them where the parameters live (one device), else None."""
+    if found_inf is None or len(set(devices)) != 1:
+        return None
+    device = devices[0]
+    if not _kernel_scalar(found_inf, device) or not (grad_scale is None or _kernel_scalar(grad_scale, device)):
+        return None
+    return KernelAmp(grad_scale, found_inf)
+
+
+@torch.no_grad()
+def host_unscale_and_check(grad_scale, found_inf, grads: List[torch.Tensor]) -> bool:
+    """The host path: True when this step's update must be skipped; else `grads` are unscaled in place."""
+    if found_inf is not None and float(found_inf) != 0:  # != 0: a NaN flag skips too, as in the kernels
+        return True
+    if grad_scale is not None:
+        inv = 1.0 / grad_scale.double() if torch.is_tensor(grad_scale) else 1.0 / grad_scale
+        for g in grads:
+            g.mul_(inv.to(g.device) if torch.is_tensor(inv) else inv)
+    return False

@@ -1,0 +1,162 @@
+"""The optimizers under torch.amp.GradScaler: the fused ones hand GradScaler's scale and overflow flag to their
+kernels (unscale, skip and count on the device, decent_comm.optim.amp), so a step reads nothing back from the
+device; the wrapped one takes the host path. Checked against torch.optim + GradScaler without a process group,
+against the float64 dense simulation of all ranks with overflows on some ranks, and for host reads (on a GPU:
+torch.cuda.set_sync_debug_mode("error"); on CPU: the Tensor methods that read a value, patched to raise)."""
+
+import contextlib
+import copy
+import itertools
+
+import pytest
+import torch
+
+import decent_comm
+from decent_comm import topology as T
+
+from dist_utils import run_ranks
+from optim_cases import OPTIMIZERS, run_against_reference
+from test_optim_local import DEVICES, PAIRS, groups, make_model
+
+OVERFLOW_STEPS = {0, 3, 4}  # the first step overflows too: SGD's momentum starts at the next one
+STEPS = 9
+
+
+def run_scaled(model, opt, device, steps=STEPS, on_step=None, start=0, scaler=None):
+    scaler = scaler or torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2)
+    last = list(model.parameters())[-1]
+    for t in range(start, steps):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(9, 5, generator=g).to(device), torch.randn(9, 2, generator=g).to(device)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if t in OVERFLOW_STEPS else 1.0)
+        scaler.scale(loss).backward()
+        if t % 3 == 1:
+            last.grad = None  # no gradient this step: its step count falls behind the others'
+        with (on_step(t) if on_step is not None else contextlib.nullcontext()):
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=(t % 2 == 0))
+    return [p.detach().clone() for p in model.parameters()], scaler
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_under_grad_scaler_equals_torch_optimizer(name, device):
+    ours_cls, torch_cls, hp = PAIRS[name]
+    m_ours, m_torch = make_model(device), make_model(device)
+    ours, ref = ours_cls(groups(m_ours), **hp), torch_cls(groups(m_torch), **hp)
+    got, want = run_scaled(m_ours, ours, device)[0], run_scaled(m_torch, ref, device)[0]
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name} parameter {i}: {m}")
+    # the state torch.optim tools read: every parameter's step count (overflowed steps and steps without a
+    # gradient do not count) and buffers
+    for i, (p, q) in enumerate(zip(m_ours.parameters(), m_torch.parameters())):
+        mine, theirs = ours.state[p], ref.state[q]
+        for key in theirs:  # torch's SGD keeps no step count
+            if key == "step":
+                assert float(mine["step"]) == float(theirs["step"]), (name, i, float(mine["step"]),
+                                                                      float(theirs["step"]))
+            else:
+                torch.testing.assert_close(mine[key], theirs[key], rtol=2e-5, atol=2e-6)
+
+
+@contextlib.contextmanager
+def no_host_reads(device):
+    """Raises on anything that reads a tensor's value on the host (a device synchronization on a GPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a tensor's value was read on the host during the step")
+    names = ["item", "tolist", "__float__", "__int__", "__bool__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["DSGD", "DAdamW", "AccumAdamW"])
+def test_fused_step_under_grad_scaler_reads_nothing_on_the_host(name, device):
+    ctor = {"DSGD": lambda ps: decent_comm.DSGD(ps, lr=0.05, momentum=0.9),
+            "DAdamW": lambda ps: decent_comm.DAdamW(ps, lr=0.01),
+            "AccumAdamW": lambda ps: decent_comm.AccumAdamW(ps, lr=0.01, accum_steps=3)}[name]
+    model = make_model(device)
+    opt = ctor(groups(model))
+    # from the second step on (the first moves the step counts to the device, once), overflowed or not
+    run_scaled(model, opt, device, on_step=lambda t: no_host_reads(device) if t >= 1 else contextlib.nullcontext())
+    assert all(st["step"].device == torch.device(device) for st in opt.state.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["DSGD", "AccumAdamW"])
+def test_state_dict_with_device_counts_resumes_exactly(name, device):
+    """A checkpoint taken while the kernels count (state["step"] on the device) resumes the same trajectory."""
+    ctor = {"DSGD": lambda ps: decent_comm.DSGD(ps, lr=0.05, momentum=0.9),
+            "AccumAdamW": lambda ps: decent_comm.AccumAdamW(ps, lr=0.01, accum_steps=3)}[name]
+    m_full = make_model(device)
+    full = run_scaled(m_full, ctor(groups(m_full)), device)[0]
+    m_a = make_model(device)
+    opt_a = ctor(groups(m_a))
+    scaler = run_scaled(m_a, opt_a, device, steps=5)[1]
+    saved = copy.deepcopy((opt_a.state_dict(), m_a.state_dict(), scaler.state_dict()))
+    m_b = make_model(device)
+    opt_b = ctor(groups(m_b))
+    m_b.load_state_dict(saved[1])
+    opt_b.load_state_dict(saved[0])
+    scaler_b = torch.amp.GradScaler(device)
+    scaler_b.load_state_dict(saved[2])
+    resumed = run_scaled(m_b, opt_b, device, start=5, scaler=scaler_b)[0]
+    for i, (a, b) in enumerate(zip(resumed, full)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name} parameter {i}: {m}")
+
+
+def test_the_host_read_guard_catches_a_host_read():
+    with pytest.raises(AssertionError, match="read on the host"):
+        with no_host_reads("cpu"):
+            float(torch.ones(()))
+
+
+def _overflows_match_simulation(rank, n, cadence):
+    topo = T.make("one-peer-exp", n)
+    overflow = {(0, 0), (1, 2), (2, 5), (1, 6)} if not cadence else {(1, 1), (2, 5)}  # (1, 1): in the warm-up
+    modes = ["awc", "atc"]
+    return {(o, mode): run_against_reference(rank, n, o, topo, mode, steps=9, overflow=overflow, **cadence)
+            for o, mode in itertools.product(OPTIMIZERS, modes)}
+
+
+@pytest.mark.parametrize("cadence", [{}, dict(warmup_steps=2, gossip_every=2)], ids=["every-step", "warmup2-every2"])
+def test_overflow_on_some_ranks_matches_dense_simulation(cadence):
+    """A rank whose gradient overflows skips its update but not its exchange; its neighbours are unaffected (in
+    the all-reduce warm-up every rank skips)."""
+    for r, errs in enumerate(run_ranks(_overflows_match_simulation, 3, cadence, timeout=600)):
+        bad = {k: e for k, e in errs.items() if not e < 1e-5}
+        assert not bad, (r, bad)
+
+
+def _gossip_steps_read_nothing(rank, n, mode):
+    model = make_model("cpu")
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="one-peer-exp", mode=mode, model=model, timeout=30)
+    try:
+        run_scaled(model, opt, "cpu", on_step=lambda t: no_host_reads("cpu") if t >= 1 else contextlib.nullcontext())
+        return "ok"
+    except AssertionError as exc:
+        return str(exc)
+    finally:
+        opt.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_gossip_step_under_grad_scaler_reads_nothing_on_the_host(mode):
+    """With neighbours too: the exchange schedule decides from host counters, never from a tensor's value."""
+    assert run_ranks(_gossip_steps_read_nothing, 2, mode, timeout=120) == ["ok", "ok"]
