@@ -15,6 +15,7 @@ Tokens after the first (a topology name or spec, or `ddp`), separated by `/`, in
     delayed        --delayed-mix (awc: a round's exchange overlaps the whole interval, mixed in at the next round)
     s<N>           steps, i.e. the length of the lr schedule (default: the benchmark's --steps)
     bf16           --bf16-wire (DDP: the bf16 compression hook)
+    int8           --int8-wire (the 8-bit wire with error feedback; not for DDP)
     lr<X>          --lr X (default: the workload's all-reduce lr, x sqrt(n) for DAdamW: decentralized_adam_hparams)
     wu<N>          --warmup N, the lr warm-up steps (default 30% of the steps)
     accum          AccumAdamW (window 4, per-window betas) instead of DAdamW
@@ -69,6 +70,8 @@ def parse(text: str, default_steps: int) -> Config:
             mode = tok
         elif tok == "bf16":
             flags.append("--bf16-wire")
+        elif tok == "int8" and not ddp:
+            flags.append("--int8-wire")
         elif tok == "delayed" and not ddp:
             flags.append("--delayed-mix")
         elif tok == "accum" and not ddp:

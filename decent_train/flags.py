@@ -77,8 +77,12 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g.add_argument("--delayed-mix", action="store_true",
                    help="decentralized, awc: each gossip round's exchange overlaps the whole interval and is mixed in "
                         "at the next round as a correction (delayed_mix)")
-    g.add_argument("--bf16-wire", action="store_true",
-                   help="send parameters (decentralized) or gradients (allreduce, DDP bf16 compress hook) as bfloat16")
+    wire = g.add_mutually_exclusive_group()
+    wire.add_argument("--bf16-wire", action="store_true",
+                      help="send parameters (decentralized) or gradients (allreduce, DDP bf16 compress hook) as "
+                           "bfloat16")
+    wire.add_argument("--int8-wire", action="store_true",
+                      help="decentralized: the 8-bit wire with error feedback (comm_dtype=torch.int8)")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to this)")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: the example's all-reduce lr for the optimizer family; "

@@ -88,6 +88,12 @@ def _consensus(args):
     return args.consensus
 
 
+def _wire_dtype(args):
+    if getattr(args, "int8_wire", False):
+        return torch.int8
+    return torch.bfloat16 if args.bf16_wire else None
+
+
 def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     name = args.optimizer
     if name.startswith("allreduce"):
@@ -96,6 +102,9 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
         if env.distributed:
             forward = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            if getattr(args, "int8_wire", False):
+                raise ValueError("--int8-wire is for the decentralized optimizers (DDP has no 8-bit gradient hook "
+                                 "here); use --bf16-wire for DDP")
             if args.bf16_wire:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
                 forward.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -105,7 +114,7 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     local = args.local_world_size if args.local_world_size is not None else env.local_world_size
     topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=local)
     options = dict(topology=topology, mode=args.mode, consensus=_consensus(args), model=model,
-                   comm_dtype=torch.bfloat16 if args.bf16_wire else None, gossip_every=args.gossip_every,
+                   comm_dtype=_wire_dtype(args), gossip_every=args.gossip_every,
                    warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix)
     if name in FUSED:
         cls = getattr(decent_comm, FUSED[name][0])

@@ -32,8 +32,48 @@ def train_steps(rank, model, opt, steps, start=0, after_step=None):
         if after_step is not None:
             after_step(t)
 
+def assert_every_rank_close(results, tol=1e-5):
+    """`results`: per rank, {case: deviation from the dense simulation}; every one must be below `tol`."""
+    for r, errs in enumerate(results):
+        bad = {k: e for k, e in errs.items() if not e < tol}
+        assert not bad, (r, bad)
+
+
+def resumed_vs_straight(rank, build, total, stop):
+    """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
+    into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
+    parameters from the straight run's, the checkpoint). `build(model)` makes the optimizer."""
+    model = make_model(rank)
+    opt = build(model)
+    train_steps(rank, model, opt, total)
+    opt.synchronize()
+    straight = flat_params(model)
+    opt.shutdown()
+    model = make_model(rank)
+    opt = build(model)
+    train_steps(rank, model, opt, stop)
+    ckpt = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+    opt.shutdown()
+    model = make_model(10 + rank)
+    opt = build(model)
+    model.load_state_dict(ckpt[1])
+    opt.load_state_dict(ckpt[0])
+    train_steps(rank, model, opt, total - stop, stop)
+    opt.synchronize()
+    err = (flat_params(model) - straight).abs().max().item()
+    opt.shutdown()
+    return err, ckpt
+
+
 def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def gather_flat(model, n):
+    """Every rank's flat parameters (a collective)."""
+    out = [torch.empty_like(flat_params(model)) for _ in range(n)]
+    torch.distributed.all_gather(out, flat_params(model))
+    return out
 
 
 ADAM_HP = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8)
@@ -78,6 +118,9 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) if overflow is not None else None
     opt = ctor(model.parameters(), topology=topo, mode=mode, model=model if mode == "atc" and give_model else None,
                broadcast_init=False, consensus=consensus, comm_dtype=comm_dtype, timeout=30, **cadence)
+    # the int8 wire's simulation quantizes what the ranks really quantize: their parameters around each step
+    observe = (lambda: gather_flat(model, n)) if comm_dtype == torch.int8 else (lambda: None)
+    before = observe()
     for t in range(steps):
         x, y = batch(rank, t)
         opt.zero_grad()
@@ -89,7 +132,9 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
             (scaler.scale(loss) * (float("inf") if (rank, t) in overflow else 1.0)).backward()
             scaler.step(opt)
             scaler.update()
-        ref.step([batch(r, t) for r in range(n)])
+        after = observe()
+        ref.step([batch(r, t) for r in range(n)], observed_before=before, observed_after=after)
+        before = after
     opt.synchronize()
     err = (flat_params(model).double() - ref.X[rank]).abs().max().item()
     if probe is not None:

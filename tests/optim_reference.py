@@ -13,6 +13,10 @@ with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' par
 gradients from a float64 copy of the model, and the update directions from the formulas in
 mix_reference.py (not from the kernels).
 
+int8 wire (wire_dtype torch.int8): on a gossip round every rank advances its public copy Z by the quantized
+change (tests/int8_reference.py) and the mix uses the copies, X_i + sum_{j != i} W'_ij (Z_j - Z_i) (AWC: of x^t, ATC:
+of the half step, delayed_mix: the copies of the previous round as the correction).
+
 overflow (GradScaler): the (rank, t) pairs whose gradient overflows. That rank skips its update at t (AWC:
 x <- its mix; ATC: x is mixed un-updated), its state and step count stay; in the warm-up (the gradients are
 all-reduced) every rank skips.
@@ -21,6 +25,7 @@ all-reduced) every rank skips.
 import torch
 from torch.func import functional_call
 
+from int8_reference import PublicCopies
 from mix_reference import accum_adam64, adam64, sgd64
 
 
@@ -38,6 +43,7 @@ class Reference:
         self.gossip_every, self.warmup_steps = gossip_every, warmup_steps
         self.delayed_mix = delayed_mix
         self.sent = None  # delayed_mix: (W' of the round in flight, the copies Z sent)
+        self.copies = PublicCopies(topology, self.n) if wire_dtype == torch.int8 else None
         self.state = [dict(m=torch.zeros_like(x), v=torch.zeros_like(x), a=torch.zeros_like(x),
                            b=torch.zeros_like(x)) for x in self.X]
         self.t = 0
@@ -77,8 +83,16 @@ class Reference:
         """delayed_mix: X_i + sum_{j != i} W'_ij (Z_j - Z_i) with the round in flight, on a gossip round."""
         if self.sent is None or not self._is_round():
             return X
-        W, Z = self.sent
+        return self._diff_mix(*self.sent, X)
+
+    def _diff_mix(self, W, Z, X):
         return [X[i] + sum(W[i, j] * (Z[j] - Z[i]) for j in range(self.n) if j != i) for i in range(self.n)]
+
+    def _sent_copies(self, X, observed):
+        """What a round sends: the int8 wire's public copies (after this round's change), else X on the wire."""
+        if self.copies is not None:
+            return self.copies.encode(X, observed, (self.t - self.warmup_steps) // self.gossip_every)
+        return [self._wire(x) for x in X]
 
     def _is_round(self):
         since = self.t - self.warmup_steps
@@ -115,7 +129,9 @@ class Reference:
                                                     hp["eps"], hp["weight_decay"], self.kind == "accumadamw")
         return x
 
-    def step(self, batches):
+    def step(self, batches, observed_before=None, observed_after=None):
+        """One step of every rank. observed_before / after: the ranks' parameters before and after it (float32),
+        which the int8 wire's quantizer takes as its inputs where the ranks quantize them."""
         G = [self.grad(self.X[i], batches[i]) for i in range(self.n)]
         self.skipping = {i for i in range(self.n) if (i, self.t) in self.overflow}
         if self.t < self.warmup_steps:  # warm-up: every rank steps with the mean gradient (DDP)
@@ -126,11 +142,17 @@ class Reference:
             mixed = self._correct(self.X)
             self.X = [self._direction(i, self.X[i], mixed[i], G[i]) for i in range(self.n)]
             if self._is_round():
-                self.sent = (W, [self._wire(x) for x in self.X])
+                self.sent = (W, self._sent_copies(self.X, observed_after))
         elif self.mode == "awc":
-            mixed = self._mix(W, self.X)
+            if self.copies is not None and self._is_round():
+                mixed = self._diff_mix(W, self._sent_copies(self.X, observed_before), self.X)
+            else:
+                mixed = self._mix(W, self.X)
             self.X = [self._direction(i, self.X[i], mixed[i], G[i]) for i in range(self.n)]
         else:
             half = [self._direction(i, self.X[i], self.X[i], G[i]) for i in range(self.n)]
-            self.X = self._mix(W, half)
+            if self.copies is not None and self._is_round():
+                self.X = self._diff_mix(W, self._sent_copies(half, observed_after), half)
+            else:
+                self.X = self._mix(W, half)
         self.t += 1

@@ -13,7 +13,8 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import OPTIMIZERS, batch, doubly_stochastic, make_model, run_against_reference
+from optim_cases import (OPTIMIZERS, assert_every_rank_close, batch, doubly_stochastic, make_model,
+                         run_against_reference)
 
 
 class ReadsAnotherModulesWeight(torch.nn.Module):
@@ -47,9 +48,7 @@ def _every_optimizer_without_model(rank, n):
 
 
 def test_atc_without_model_matches_dense_simulation_for_every_optimizer():
-    for r, errs in enumerate(run_ranks(_every_optimizer_without_model, 3, timeout=600)):
-        bad = {k: e for k, e in errs.items() if not e < 1e-5}
-        assert not bad, (r, bad)
+    assert_every_rank_close(run_ranks(_every_optimizer_without_model, 3, timeout=600))
 
 
 def _issue_case(rank, n):
@@ -72,9 +71,7 @@ def _parameter_read_outside_its_module(rank, n):
 
 
 def test_atc_mixes_at_step_end_a_bucket_no_running_module_holds():
-    for r, errs in enumerate(run_ranks(_parameter_read_outside_its_module, 3, timeout=300)):
-        bad = {k: e for k, e in errs.items() if not e < 1e-5}
-        assert not bad, (r, bad)
+    assert_every_rank_close(run_ranks(_parameter_read_outside_its_module, 3, timeout=300))
 
 
 def _pending_after_step(rank, n, give_model, split):
@@ -110,6 +107,7 @@ def _mix_hooks():
 
 
 def test_global_hooks_removed_with_the_optimizer():
+    gc.collect()  # an optimizer an earlier test left to the collector takes its hook along: not during this count
     before = len(nn_module._global_forward_pre_hooks)
     model = make_model(0)
     opt = decent_comm.DAdamW(model.parameters(), mode="atc")

@@ -186,6 +186,7 @@ def test_race_specs_build_what_they_say():
     ttt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ttt)
     for text, want in [("one-peer-exp/awc/k2/bf16/delayed/s400", ("one-peer-exp", "awc", 2, True, torch.bfloat16)),
+                       ("one-peer-hypercube/awc/k2/int8/delayed", ("one-peer-hypercube", "awc", 2, True, torch.int8)),
                        ("periodic8", ("complete", "atc", 8, False, None))]:
         cfg = ttt.parse(text, 300)
         args = resolve_defaults(lm.parse_args(list(cfg.flags) + ["--steps", str(cfg.steps)]), lm.LR_DEFAULTS, 1)

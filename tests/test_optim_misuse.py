@@ -152,8 +152,10 @@ def test_another_ranks_state_dict_is_refused():
 def _nan_on_one_rank(rank, n, mode, topology):
     model = make_model(rank)
     # exchange="p2p": a ring on 3 ranks would otherwise run as the group all-reduce too, as "complete" does.
-    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology=topology, mode=mode, check_finite=True, timeout=20,
-                           exchange="p2p" if topology == "ring" else "auto")
+    # ring-int8: the 8-bit wire, whose received bytes are checked once added to the neighbour's public copy
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology=topology.split("-")[0], mode=mode, check_finite=True,
+                           timeout=20, exchange="p2p" if topology.startswith("ring") else "auto",
+                           comm_dtype=torch.int8 if topology.endswith("int8") else None)
     start = time.monotonic()
     try:
         for t in range(6):
@@ -171,14 +173,15 @@ def _nan_on_one_rank(rank, n, mode, topology):
 
 
 @pytest.mark.parametrize("mode", ["awc", "atc"])
-@pytest.mark.parametrize("topology", ["ring", "complete"])  # complete: the group all-reduce path
+@pytest.mark.parametrize("topology", ["ring", "complete", "ring-int8"])  # complete: the group all-reduce path
 def test_check_finite_names_the_rank_and_step_on_every_rank(mode, topology):
     res = run_ranks(_nan_on_one_rank, 3, mode, topology, timeout=120)
     assert "rank 1:" in res[1]["msg"] and "after optimizer step 3" in res[1]["msg"], res[1]
     for r in (0, 2):
         m = res[r]["msg"]
         # The p2p path names the sender; a group's sum cannot tell, so rank 1 flags its own values (Roster.flag).
-        culprit = "from rank 1" if topology == "ring" else "all-reduce among ranks [0, 1, 2] (rank 1 sent non-finite"
+        culprit = "from rank 1" if topology.startswith("ring") else \
+            "all-reduce among ranks [0, 1, 2] (rank 1 sent non-finite"
         assert "non-finite" in m and culprit in m, (r, m)
         assert res[r]["elapsed"] < 15, res[r]
 

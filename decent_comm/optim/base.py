@@ -25,6 +25,8 @@ from .adaptation import sq_dist, sum_scalars
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads,
                       gather_named_state, load_state, publish_named_state, publish_state, refine_classes, segments,
                       spread_count, zero_grads)
+from .int8_wire import PREFIX as WIRE_PREFIX
+from .int8_wire import Int8Wire
 from .plan import Cadence
 from .schedule import CORRECTION, MODES, GossipSchedule
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
@@ -336,11 +338,16 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
     _correction_for_stateless_params = True
 
     def _publish_correction(self, pending: bool):
-        """A delayed_mix round in flight travels as per-parameter state, so torch.save and DCP carry it."""
+        """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
+        state, so torch.save and DCP carry them."""
         publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
+        for name in Int8Wire.state_names(self._buckets):
+            publish_named_state(self._buckets, self.state, name, True, self._correction_for_stateless_params)
 
     def _gather_correction(self):
-        gather_named_state(self._buckets, self.state, CORRECTION)
+        wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
+        for name in [CORRECTION] + sorted(wire):
+            gather_named_state(self._buckets, self.state, name)
 
     # ----------------------------------------------------------------------------------------- teardown
 

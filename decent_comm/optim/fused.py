@@ -24,7 +24,11 @@ _DOC_OPTIONS = """
             more communication.
         process_group: the group to gossip in (default: the default group).
         bucket_cap_mb: size of the flat buckets parameters are laid out in.
-        comm_dtype: wire dtype (e.g. torch.bfloat16 halves the bytes); received buffers keep it.
+        comm_dtype: wire dtype (e.g. torch.bfloat16 halves the bytes); received buffers keep it. torch.int8: the
+            8-bit wire, about a quarter of fp32's bytes: each round sends the int8 change (one scale per 512
+            elements) of a public copy that sender and receivers keep, CHOCO-style, so quantization errors are fed
+            back, not accumulated (decent_comm.optim.int8_wire; costs float32 copies of the parameters: 3 on a
+            ring, 2 log2(n) on one-peer-exp; point to point only).
         consensus: DSGD-AC factor a (W -> (1-a) I + a W): a number, a callable of the step, or a schedule
             object such as decent_comm.AdaptiveConsensus.
         model: the module the parameters belong to; in ATC mode its forward pre-hooks apply each bucket's mix

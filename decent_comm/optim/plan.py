@@ -30,12 +30,14 @@ class MixPlan:
     # of what it sent, with the weight -(1 - self_weight) of the plan launched: x <- x + sum_j w_j (y_j - z);
     # "checkpoint": the one buffer mixed is that sum as a checkpoint saved it (weight 1).
     correction: Optional[str] = None
+    topo_step: Optional[int] = None  # the topology's step it mixes with (the gossip round)
 
     def as_correction(self, step: int) -> "MixPlan":
         """This plan applied at optimizer step `step` to parameters that moved on since its exchange was launched:
-        x <- x + sum_j w_j y_j - (1 - self_weight) z = z' + (x - z), z' this plan's mix of the copies z sent."""
+        x <- x + sum_j w_j y_j - (1 - self_weight) z = z' + (x - z), z' this plan's mix of the copies z sent.
+        Also the int8 wire's mix, with y and z the public copies (decent_comm.optim.int8_wire)."""
         return MixPlan(step, 1.0, self.recv, self.weights + [-(1.0 - self.self_weight)], self.send, self.factor,
-                       self.group, correction="sent")
+                       self.group, correction="sent", topo_step=self.topo_step)
 
     @property
     def silent(self) -> bool:
@@ -176,4 +178,4 @@ def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optiona
     peers = topology.peers(rank, topo_step)
     recv = [r for r, _ in peers.recv]
     weights = [a * w for _, w in peers.recv]
-    return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a)
+    return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a, topo_step=topo_step)

@@ -29,19 +29,19 @@ from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
+from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
 from .tracing import traced
 
 log = logging.getLogger("decent_comm")
 
 MODES = ("awc", "atc")
-#: opt.state key of a delayed_mix round in flight when a checkpoint was taken (its mix, added at the next round)
-CORRECTION = "delayed_mix_correction"
 
 
-class GossipSchedule:
+class GossipSchedule(ScheduleCheckpoint):
     def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
                  lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
                  track_disagreement: bool = False, check_finite: bool = False, cadence: Cadence = Cadence()):
@@ -67,9 +67,13 @@ class GossipSchedule:
         self._sent: Dict[int, torch.Tensor] = {}  # delayed_mix: the copy z of each bucket in flight (wire dtype)
         self._restored = False           # delayed_mix: a checkpoint's correction (b.state[CORRECTION]) is due
         self._checkpointed = False       # delayed_mix: the last checkpoint_correction() found a round in flight
+        self._wire_round = None          # int8 wire: (step, factor) of the round in flight at the last checkpoint
+        self._wire_restored = False      # int8 wire: inflight is a checkpoint's round, nothing to wait for
         self._hooks = None               # atc: MixBeforeUse
         self.device = buckets[0].device if buckets else torch.device("cpu")
-        self.groups = GroupSteps.scan(topology, rank, world_size, exchange)
+        # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
+        self.wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
+        self.groups = GroupSteps.scan(topology, rank, world_size, "p2p" if self.wire is not None else exchange)
         if self.groups is not None and process_group is not None and \
                 dist.get_world_size(process_group) != dist.get_world_size():
             # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
@@ -77,7 +81,8 @@ class GossipSchedule:
             self.groups = None
         self.exchange = None
         if world_size > 1:
-            self.exchange = GossipExchange(process_group, self.device, timeout=timeout, wire_dtype=comm_dtype,
+            self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
+                                           wire_dtype=comm_dtype if self.wire is None else None,
                                            groups=self.groups.all_groups if self.groups is not None else ())
         # The whole-group all-reduces inside step() (warm-up gradients, adaptive statistics) raise within
         # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
@@ -138,6 +143,8 @@ class GossipSchedule:
     # -------------------------------------------------------------------------------------- communication
 
     def _wire_buffer(self, b) -> torch.Tensor:
+        if self.wire is not None:
+            return self.wire.payload_buffer(b)
         return torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device)
 
     def _recv_buffers(self, b, k: int) -> List[torch.Tensor]:
@@ -146,9 +153,12 @@ class GossipSchedule:
             bufs.append(self._wire_buffer(b))
         return bufs[:k]
 
-    def _send_buffer(self, b) -> torch.Tensor:
+    def _send_buffer(self, b, plan: MixPlan) -> torch.Tensor:
         """What bucket b sends: its flat buffer, which stays put until the exchange is mixed (the next step);
-        with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval."""
+        with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval; with the
+        int8 wire the quantized change of its public copy (which then plays z's part)."""
+        if self.wire is not None:
+            return self.wire.encode(b, plan)
         if not self.cadence.delayed_mix:
             return b.flat
         z = self._sent.get(b.index)
@@ -166,10 +176,11 @@ class GossipSchedule:
         if bad and plan.group is not None and self.exchange is not None and not plan.silent:
             for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
                 self.exchange.groups.flag_nonfinite(i, plan.step)
+        self._wire_restored = False
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
                 recvs = self._recv_buffers(b, plan.num_buffers)
-                send = self._send_buffer(b)
+                send = self._send_buffer(b, plan)
                 if plan.group is not None:
                     self.exchange.exchange(b.index, send, recvs, group=plan.group)
                 else:
@@ -183,18 +194,21 @@ class GossipSchedule:
     @traced("exchange_wait")
     def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
-        if self.exchange is not None and not plan.silent:
+        if self.exchange is not None and not plan.silent and not self._wire_restored:
             self.exchange.wait(b.index)
         bufs = self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        if plan.correction == "checkpoint":
+            return [b.state[CORRECTION]]
+        out = bufs
+        if plan.correction == "sent":  # the int8 wire: the neighbours' public copies after what they sent
+            out = self.wire.decode(b, plan, bufs) if self.wire is not None else bufs + [self._sent[b.index]]
         if self.check_finite:
-            for k, y in enumerate(bufs):
+            for k, y in enumerate(out[:plan.num_buffers]):
                 if not torch.isfinite(y).all():
                     who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
-        if plan.correction == "sent":
-            return bufs + [self._sent[b.index]]
-        return [b.state[CORRECTION]] if plan.correction == "checkpoint" else bufs
+        return out
 
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
         # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
@@ -222,7 +236,11 @@ class GossipSchedule:
         if plan is None or plan.step != self.t:
             plan = self.plan(self.t)
             self.launch(plan)
-        return plan
+        return self._mix_form(plan)
+
+    def _mix_form(self, plan: MixPlan) -> MixPlan:
+        """The int8 wire mixes the public copies in difference form (as a correction); other wires the plan."""
+        return plan.as_correction(plan.step) if self.wire is not None and not plan.silent else plan
 
     def finish_step(self):
         """awc: step t is done; launch the exchange of x^{t+1} (delayed_mix: round t's, when t is a round)."""
@@ -265,7 +283,7 @@ class GossipSchedule:
         """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
         if not self.pending:
             return
-        plan = self.inflight
+        plan = self._mix_form(self.inflight)
         ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
         if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
             self.begin_mix()
@@ -296,7 +314,11 @@ class GossipSchedule:
         self.complete_transfers()
 
     def forget_inflight(self):
-        """What neighbours sent is stale (the parameters were replaced): the next step exchanges afresh."""
+        """What neighbours sent is stale (the parameters were replaced): the next step exchanges afresh. The int8
+        wire adds it to the copies all the same: the senders' copies have it."""
+        if self.wire is not None and self.inflight is not None and not self.inflight.silent:
+            for b in self.buckets:
+                self.received(b, self._mix_form(self.inflight))
         self.inflight = None
         self._restored = False
 
@@ -320,69 +342,3 @@ class GossipSchedule:
         if self.exchange is not None:
             self.exchange.shutdown()
             self.exchange = None
-
-    # -------------------------------------------------------------------------------------------- state
-
-    @torch.no_grad()
-    def checkpoint_correction(self) -> bool:
-        """delayed_mix, after synchronize(): puts the mix of the round in flight, sum_j w_j (y_j - z), into every
-        bucket's CORRECTION state buffer and says whether there is one (a resumed run adds it at its next round,
-        where this run will mix the same values). Without one, the buffers are dropped."""
-        pending = self._restored
-        prev = self.inflight
-        if self.cadence.delayed_mix and not pending and prev is not None and not prev.silent:
-            plan = prev.as_correction(self.t)
-            for b in self.buckets:
-                c = b.state_buffer(CORRECTION)
-                c.zero_()
-                ops.gossip_mix_(c, self.received(b, plan), 0.0, plan.weights)
-            pending = True
-        if not pending:
-            for b in self.buckets:
-                b.state.pop(CORRECTION, None)
-        self._checkpointed = pending
-        return pending
-
-    def state_dict(self) -> dict:
-        # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
-        nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
-        return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
-                    gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
-                    delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
-                    topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
-                    consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
-                    adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
-
-    def load_state_dict(self, extra: Optional[dict]):
-        """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
-        if extra is not None:
-            for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
-                if key in extra and extra[key] != mine:
-                    raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
-                                     " every rank loads its own state_dict (its optimizer state and where the gossip "
-                                     "schedule stands). To start a schedule afresh from another rank's moments, drop "
-                                     "the 'decentralized' entry before loading.")
-            for key in ("gossip_every", "warmup_steps", "delayed_mix"):
-                if key in extra and extra[key] != getattr(self.cadence, key):
-                    raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
-                                     f"{key}={getattr(self.cadence, key)}")
-            if extra["topology"] != self.topology.fingerprint():
-                raise ValueError("the checkpoint was written with another topology (fingerprint "
-                                 f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
-            self.t = int(extra["step"])
-            self._resume_factor = extra.get("next_factor")
-            if extra.get("consensus") is not None and hasattr(self.consensus, "load_state_dict"):
-                self.consensus.load_state_dict(extra["consensus"])
-            if self.adaptive is not None:
-                self.adaptive.load_state_dict(extra.get("adaptive"))
-        self._restored = bool(extra and extra.get("delayed_pending"))
-        missing = [b.index for b in self.buckets if CORRECTION not in b.state]
-        if self._restored and missing:
-            raise ValueError(f"the checkpoint has a delayed_mix round in flight but no '{CORRECTION}' state for the "
-                             f"parameters of bucket(s) {missing}: load the optimizer state and its 'decentralized' "
-                             "entry from the same state_dict")
-        # Whatever was in flight carried the old parameters: start the next exchange afresh.
-        self.complete_transfers()
-        self.inflight = None
-        self.pending = set()
-        self._fresh = False

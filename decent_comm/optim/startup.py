@@ -39,9 +39,10 @@ def check_options(*, timeout, comm_dtype):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
                 or seconds <= 0:
             raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise ValueError(f"comm_dtype must be None or a floating-point torch.dtype (e.g. torch.bfloat16), "
-                         f"got {comm_dtype!r}")
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and
+                                       (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
+        raise ValueError(f"comm_dtype must be None, a floating-point torch.dtype (e.g. torch.bfloat16) or torch.int8 "
+                         f"(the 8-bit wire with error feedback), got {comm_dtype!r}")
 
 
 def local_world_size_from_env(world_size: int):

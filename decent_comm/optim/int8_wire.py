@@ -1,0 +1,135 @@
+"""The 8-bit wire (``comm_dtype=torch.int8``): per-block absmax int8 quantization of what is sent, with
+CHOCO-style error feedback (Koloskova et al., ICML 2019), so the replicas still reach consensus.
+
+Each rank keeps public copies, float32, as optimizer state of the bucket:
+- for every set S of ranks it sends to (one per step of a one-peer graph, one for a static graph), the copy
+  s_S of itself that those receivers hold;
+- for every neighbour j it receives from (with j's send set S_j at that step), its copy r_{j,S_j} of j.
+A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of BLOCK elements, and
+both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a sender's s and
+its receivers' r stay bit-identical. The mix uses the copies in difference form,
+
+    x_i <- x_i + sum_j w_ij r_j - (sum_j w_ij) s_i            (MixPlan.as_correction; AWC: inside the update)
+
+which moves the mean of the replicas exactly as the full-precision mix (W doubly stochastic). As the copies
+track the parameters (each round's quantization error is left in x - s and sent again at the next round), it
+is the full-precision mix up to the quantization error of the last delta: at most |x - s|_max / 254 per element
+of a block. The first round sends x itself (the copies start at zero).
+
+Bytes on the wire: numel (padded to a block) + 4 per block, about 0.25x fp32 and 0.5x bf16. Memory: one float32
+copy of the bucket per send set and per (neighbour, send set): ring 3, one-peer-exp and one-peer-hypercube
+2 log2(n) (`copies_per_rank`). Group (all-reduce) steps do not apply: the int8 wire gossips point to point.
+"""
+
+from typing import Dict, List, Set
+
+import torch
+
+from ..topology import Topology
+
+BLOCK = 512      # elements per scale: 0.8% of the payload is scales
+_QMAX = 127.0    # symmetric: -127..127, so the zero of a delta is exact
+#: opt.state keys of the public copies start with this
+PREFIX = "int8_wire"
+
+
+def payload_nbytes(numel: int, block: int = BLOCK) -> int:
+    nb = -(-numel // block)
+    return nb * block + 4 * nb
+
+
+def _views(payload: torch.Tensor, numel: int, block: int):
+    nb = -(-numel // block)
+    return payload[:nb * block].view(torch.int8).view(nb, block), payload[nb * block:].view(torch.float32)
+
+
+@torch.no_grad()
+def quantize_(delta: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+    """payload <- Q(delta). `delta` is float32 of a multiple of `block` elements (the tail zero) and is
+    overwritten."""
+    nb = delta.numel() // block
+    q, scale = _views(payload, nb * block, block)
+    d = delta.view(nb, block)
+    amax = torch.linalg.vector_norm(d, float("inf"), dim=1)
+    torch.div(amax, _QMAX, out=scale)
+    inv = torch.where(amax > 0, _QMAX / amax, torch.zeros_like(amax))
+    q.copy_(d.mul_(inv[:, None]).round_().clamp_(-_QMAX, _QMAX))
+
+
+@torch.no_grad()
+def dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+    """copy += deq(payload): the one definition both ends of an edge run, so their copies stay identical."""
+    n = copy.numel()
+    q, scale = _views(payload, n, block)
+    copy.add_(q.to(torch.float32).mul_(scale[:, None]).view(-1)[:n])
+
+
+@torch.no_grad()
+def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+    """payload <- Q(x - copy), then copy += deq(payload) (the receivers' copy of x after this round)."""
+    n = x.numel()
+    delta = torch.zeros(-(-n // block) * block, dtype=torch.float32, device=x.device)
+    torch.sub(x, copy, out=delta[:n])
+    quantize_(delta, payload, block)
+    dequantize_add_(copy, payload, block)
+
+
+def _key(ranks) -> str:
+    return "_".join(str(r) for r in ranks)
+
+
+def copies_per_rank(topology: Topology, rank: int) -> int:
+    """Float32 copies of the parameters the int8 wire keeps on `rank` for a (static) topology, over its period."""
+    names = set()
+    for t in range(min(topology.period, 4096)):
+        peers = topology.peers(rank, t)
+        if peers.send:
+            names.add(("to", _key(peers.send)))
+        for j, _ in peers.recv:
+            names.add((j, _key(topology.peers(j, t).send)))
+    return len(names)
+
+
+class Int8Wire:
+    """The public copies and payloads of every bucket (see the module doc). `plan`s are MixPlans of p2p steps."""
+
+    def __init__(self, topology: Topology, rank: int, block: int = BLOCK):
+        self.topology, self.rank, self.block = topology, rank, block
+        self._payload: Dict[int, torch.Tensor] = {}   # bucket -> what it sends (kept until the exchange ends)
+        self._undecoded: Set[int] = set()            # buckets whose last exchange's payloads are not added yet
+
+    def payload_buffer(self, b) -> torch.Tensor:
+        return torch.empty(payload_nbytes(b.numel, self.block), dtype=torch.uint8, device=b.device)
+
+    def _own_name(self, plan) -> str:
+        return f"{PREFIX}_to_{_key(plan.send)}"
+
+    def _peer_names(self, plan) -> List[str]:
+        return [f"{PREFIX}_from_{j}_to_{_key(self.topology.peers(j, plan.topo_step).send)}" for j in plan.recv]
+
+    def encode(self, b, plan) -> torch.Tensor:
+        """The payload of bucket b for `plan` (its copy for the plan's receivers advances)."""
+        payload = self._payload.get(b.index)
+        if payload is None:
+            payload = self._payload[b.index] = self.payload_buffer(b)
+        encode_(b.flat, b.state_buffer(self._own_name(plan)), payload, self.block)
+        self._undecoded.add(b.index)
+        return payload
+
+    def decode(self, b, plan, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The copies of the plan's neighbours after adding what they sent (once per exchange: the payloads of
+        the last one launched), then this rank's own copy: the buffers of plan.as_correction, in its order."""
+        names = self._peer_names(plan)
+        if b.index in self._undecoded:
+            for name, payload in zip(names, payloads):
+                dequantize_add_(b.state_buffer(name), payload, self.block)
+            self._undecoded.discard(b.index)
+        return [b.state_buffer(n) for n in names] + [b.state_buffer(self._own_name(plan))]
+
+    def forget(self):
+        """A checkpoint was loaded: its copies replace these, and nothing in flight is decoded any more."""
+        self._undecoded.clear()
+
+    @staticmethod
+    def state_names(buckets) -> List[str]:
+        return sorted({name for b in buckets for name in b.state if name.startswith(PREFIX)})

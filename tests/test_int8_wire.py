@@ -1,0 +1,173 @@
+"""The 8-bit wire (comm_dtype=torch.int8, decent_comm.optim.int8_wire): the block quantizer against a numpy
+float32 model of it, bit for bit; every optimizer, both modes and the cadences against the float64 dense simulation
+of all ranks with the quantizer and the public copies modelled (tests/int8_reference.py); the copies of each edge
+identical on both ends; the bytes; an exact resume; a mismatch named on every rank."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import decent_comm
+from decent_comm import topology as T
+from decent_comm.optim import int8_wire as W8
+
+from dist_utils import run_ranks
+from int8_reference import roundtrip32
+from optim_reference import Reference
+from optim_cases import (OPTIMIZERS, assert_every_rank_close, batch, doubly_stochastic, flat_params, make_model,
+                         resumed_vs_straight, run_against_reference, train_steps)
+
+
+@pytest.mark.parametrize("n", [1, 511, 512, 513, 3000])
+def test_quantizer_matches_the_numpy_model_bit_for_bit(n):
+    g = torch.Generator().manual_seed(n)
+    d = torch.randn(n, generator=g) * torch.logspace(-6, 2, n).roll(n // 3)  # blocks of very different scales
+    if n > 1024:
+        d[512:1024] = 0  # an all-zero block: scale 0, values 0
+    want_deq, want_q, want_scale = roundtrip32(d.numpy())
+    payload = torch.empty(W8.payload_nbytes(n), dtype=torch.uint8)
+    delta = torch.zeros(-(-n // W8.BLOCK) * W8.BLOCK)
+    delta[:n] = d
+    W8.quantize_(delta, payload)
+    q, scale = W8._views(payload, n, W8.BLOCK)
+    assert np.array_equal(q.reshape(-1)[:n].numpy(), want_q)
+    assert np.array_equal(scale.numpy(), want_scale)
+    copy = torch.zeros(n)
+    W8.dequantize_add_(copy, payload)
+    assert np.array_equal(copy.numpy(), want_deq)
+    # the error of one round: at most half a step of the block's grid (absmax / 254), rounding included
+    blocks = torch.nn.functional.pad(d, (0, delta.numel() - n)).view(-1, W8.BLOCK)
+    bound = (blocks.abs().amax(1) / 254 * (1 + 1e-6)).repeat_interleave(W8.BLOCK)[:n]
+    assert ((copy - d).abs() <= bound).all()
+
+
+def test_encode_feeds_the_error_back():
+    """Rounds of encode_ on a fixed x: the copy converges to x (the error left in x - copy is sent again)."""
+    x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    copy = torch.zeros(2000)
+    payload = torch.empty(W8.payload_nbytes(2000), dtype=torch.uint8)
+    errs = []
+    for _ in range(4):
+        W8.encode_(x, copy, payload)
+        errs.append((x - copy).abs().max().item())
+    assert errs[0] < 4 / 127 and all(b < a / 50 for a, b in zip(errs, errs[1:3])), errs
+    assert errs[3] < 1e-6, errs
+
+
+def test_copies_per_rank_per_topology():
+    assert W8.copies_per_rank(T.make("ring", 6), 0) == 3            # one send set, two senders
+    assert W8.copies_per_rank(T.make("one-peer-exp", 8), 0) == 6    # 3 send sets, 3 senders
+    assert W8.copies_per_rank(T.make("one-peer-hypercube", 4), 0) == 4
+
+
+CASES = {"every-step": {}, "every2-warmup1": dict(gossip_every=2, warmup_steps=1),
+         "delayed-every2": dict(gossip_every=2, delayed_mix=True)}
+
+
+def _every_optimizer(rank, n, case):
+    # custom: two random doubly stochastic matrices, alternating: several peers with unequal weights, send sets that
+    # change from step to step (each with its own copy)
+    topos = {"one-peer-exp": T.make("one-peer-exp", n),
+             "custom": T.from_matrix([doubly_stochastic(n, 1), doubly_stochastic(n, 2)])}
+    modes = ["awc"] if CASES[case].get("delayed_mix") else ["awc", "atc"]
+    return {(o, name, mode): run_against_reference(rank, n, o, topo, mode, steps=9, comm_dtype=torch.int8,
+                                                   **CASES[case])
+            for o, (name, topo), mode in itertools.product(OPTIMIZERS, topos.items(), modes)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_int8_wire_matches_dense_simulation(case):
+    assert_every_rank_close(run_ranks(_every_optimizer, 4, case, timeout=900))
+
+
+def _fp32_reference_is_not_close(rank, n):
+    """The same run against the simulation without the quantizer: it must miss (the test above can fail)."""
+    topo = T.make("one-peer-exp", n)
+    ctor, kind, hp = OPTIMIZERS["dadamw"]
+    models = [make_model(s) for s in range(n)]
+    ref = Reference(make_model(0), [flat_params(m) for m in models], topo, "awc", kind, hp)
+    opt = ctor(models[rank].parameters(), topology=topo, broadcast_init=False, comm_dtype=torch.int8, timeout=30)
+    for t in range(6):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((models[rank](x) - y) ** 2).mean().backward()
+        opt.step()
+        ref.step([batch(r, t) for r in range(n)])
+    opt.synchronize()
+    err = (flat_params(models[rank]).double() - ref.X[rank]).abs().max().item()
+    opt.shutdown()
+    return err
+
+
+def test_without_the_quantizer_the_simulation_misses():
+    assert min(run_ranks(_fp32_reference_is_not_close, 4, timeout=120)) > 1e-4
+
+
+def _copies_and_bytes(rank, n, mode, delayed):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="one-peer-exp", mode=mode, model=model,
+                             comm_dtype=torch.int8, delayed_mix=delayed, gossip_every=2 if delayed else 1,
+                             timeout=30)
+    train_steps(rank, model, opt, 7)
+    sd = opt.state_dict()  # decodes the round in flight: both ends of every edge agree now
+    copies = {k: v.clone() for k, v in opt._buckets[0].state.items() if k.startswith(W8.PREFIX)}
+    named = {k for st in sd["state"].values() for k in st if k.startswith(W8.PREFIX)}
+    sent, numel = opt.bytes_sent, opt._buckets[0].numel
+    opt.shutdown()
+    return copies, named, sent, numel
+
+
+@pytest.mark.parametrize("mode,delayed", [("awc", False), ("atc", False), ("awc", True)])
+def test_both_ends_of_every_edge_hold_the_same_copy(mode, delayed):
+    res = run_ranks(_copies_and_bytes, 4, mode, delayed, timeout=120)
+    checked = 0
+    for i, (copies, named, _, _) in enumerate(res):
+        assert named == set(copies), (i, named, set(copies))  # state_dict carries every copy
+        for name, mine in copies.items():
+            if name.startswith(f"{W8.PREFIX}_to_"):
+                peers = name[len(f"{W8.PREFIX}_to_"):]
+                for j in map(int, peers.split("_")):
+                    theirs = res[j][0][f"{W8.PREFIX}_from_{i}_to_{peers}"]
+                    assert torch.equal(mine, theirs), (i, j, name)
+                    checked += 1
+    assert checked == 8  # one-peer-exp on 4 ranks: 2 send sets per rank
+    sent, numel = res[0][2], res[0][3]
+    rounds = {("awc", False): 8, ("atc", False): 7, ("awc", True): 4}[(mode, delayed)]  # awc: step 7's is in flight
+    assert sent == rounds * W8.payload_nbytes(numel), (sent, rounds, numel)
+
+
+def _resume(rank, n, mode, delayed):
+    def build(model):
+        return decent_comm.DSGD(model.parameters(), lr=0.05, momentum=0.9, topology="one-peer-exp", mode=mode,
+                                model=model, comm_dtype=torch.int8, delayed_mix=delayed,
+                                gossip_every=2 if delayed else 1, timeout=30)
+    return resumed_vs_straight(rank, build, 10, 5)[0]
+
+
+@pytest.mark.parametrize("mode,delayed", [("awc", False), ("atc", False), ("awc", True)])
+def test_resume_is_exact(mode, delayed):
+    assert max(run_ranks(_resume, 4, mode, delayed, timeout=120)) == 0.0
+
+
+def _mismatch(rank, n):
+    model = make_model(rank)
+    try:
+        decent_comm.DAdamW(model.parameters(), topology="ring", comm_dtype=torch.int8 if rank == 1 else None,
+                           timeout=20)
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_a_rank_with_another_wire_is_named_on_every_rank():
+    for r, msg in enumerate(run_ranks(_mismatch, 3, timeout=120)):
+        assert "comm_dtype" in msg and "no error" not in msg, (r, msg)
+
+
+def test_int8_is_accepted_and_other_integer_wires_are_not():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    decent_comm.DAdamW(p, comm_dtype=torch.int8).shutdown()
+    with pytest.raises(ValueError, match="comm_dtype"):
+        decent_comm.DAdamW([torch.nn.Parameter(torch.zeros(3))], comm_dtype=torch.int16)
