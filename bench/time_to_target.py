@@ -39,10 +39,11 @@ from decent_train.cluster import format_bits, parse_bandwidth_bits
 HERE = os.path.dirname(os.path.abspath(__file__))
 log = logging.getLogger("time_to_target")
 
-QUICK_CONFIGS = "ddp/s40;periodic8/s60;one-peer-exp/awc/k2/bf16/delayed/s60"
-# docs/time_to_target.md: the winner at 4 x 1 and at 2 x 2, and the best periodic averaging
-DEFAULT_CONFIGS = ("ddp;periodic8/s400;one-peer-exp/awc/k2/bf16/delayed/s400;"
-                   "one-peer-hypercube/awc/k2/bf16/delayed/s400")
+QUICK_CONFIGS = "ddp/s40;periodic8/s60;one-peer-exp/awc/int8/s50"
+# docs/time_to_target.md: the int8-wire recipes (the winners at 4 x 1 and 2 x 2), the bf16 recipe before them, and
+# the best periodic averaging
+DEFAULT_CONFIGS = ("ddp;periodic8/s400;one-peer-exp/awc/k2/bf16/delayed/s400;one-peer-exp/awc/int8/s300;"
+                   "one-peer-hypercube/awc/int8/s300")
 
 
 # ------------------------------------------------------------------------------------------ the jobs

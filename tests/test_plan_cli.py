@@ -190,23 +190,32 @@ SLOW_LINKS = ["plan", "--nodes", "4", "--gpus-per-node", "1", "--params", "0.43M
 def test_quality_term_prices_time_to_allreduce_loss():
     """The cluster of bench/time_to_target.py (train_lm: 0.43M params, 100 ms of compute, 50 Mbit links): a round
     of one-peer gossip over a bf16 wire moves 0.43M x 2 B in 138 ms, which two steps of compute hide with
-    delayed_mix and one step does not; periodic averaging and All-Reduce move the fp32 model."""
+    delayed_mix and one step does not; over the int8 wire (0.43M x (1 + 4/512) B, 69 ms) one step hides it;
+    periodic averaging and All-Reduce move the fp32 model."""
     code, out, _ = run_cli(SLOW_LINKS)
     assert code == 0
     q = json.loads(out)["time_to_quality"]
-    by = {(x["family"], x["mode"], x["gossip_every"], x["delayed_mix"]): x for x in q}
+    by = {(x["family"], x["mode"], x["gossip_every"], x["delayed_mix"], x["wire"]): x for x in q}
     round_s = 0.43e6 * 2 * 8 / 50e6
-    assert by[("gossip", "awc", 2, True)]["step_seconds"] == pytest.approx(0.1)             # hidden by 2 steps
+    assert by[("gossip", "awc", 2, True, "bf16")]["step_seconds"] == pytest.approx(0.1)     # hidden by 2 steps
     # (the closed form adds the link latency, microseconds)
-    assert by[("gossip", "awc", 1, False)]["step_seconds"] == pytest.approx(round_s, rel=1e-3)  # 0.1 + (round - 0.1)
-    assert by[("gossip", "atc", 2, False)]["step_seconds"] == pytest.approx(0.1 + (round_s - 0.1 / 3) / 2, rel=1e-3)
-    ddp = by[("allreduce", "-", 1, False)]
+    # 0.1 + (round - 0.1)
+    assert by[("gossip", "awc", 1, False, "bf16")]["step_seconds"] == pytest.approx(round_s, rel=1e-3)
+    assert by[("gossip", "atc", 2, False, "bf16")]["step_seconds"] == pytest.approx(0.1 + (round_s - 0.1 / 3) / 2,
+                                                                                   rel=1e-3)
+    assert by[("gossip", "awc", 1, False, "int8")]["step_seconds"] == pytest.approx(0.1)    # hidden by 1 step
+    ddp = by[("allreduce", "-", 1, False, "fp32")]
     for x in q:
         assert x["time_vs_allreduce"] == pytest.approx(x["steps_multiplier"] * x["step_seconds"] / ddp["step_seconds"])
-    assert [x["time_vs_allreduce"] for x in q] == sorted(x["time_vs_allreduce"] for x in q)
-    # What bench/time_to_target.py measured on that cluster: delayed gossip every 2 steps first, ahead of periodic
-    # averaging (0.23x and 0.37x of DDP's time there).
-    assert (q[0]["family"], q[0]["topology"], q[0]["gossip_every"], q[0]["delayed_mix"]) == ("gossip", "one-peer-exp", 2, True)
+    # cheapest first, except that a recipe needs to beat All-Reduce by more than 5% (the multipliers' noise) to
+    # rank ahead of it
+    key = [x["time_vs_allreduce"] * (1.0 if x["family"] == "allreduce" else 1.05) for x in q]
+    assert key == sorted(key)
+    # What bench/time_to_target.py measured on that cluster: gossip every step over the int8 wire first, then
+    # delayed gossip every 2 steps over bf16, both ahead of periodic averaging (docs/time_to_target.md).
+    first = [(x["family"], x["topology"], x["gossip_every"], x["delayed_mix"], x["wire"]) for x in q[:2]]
+    assert first == [("gossip", "one-peer-exp", 1, False, "int8"), ("gossip", "one-peer-exp", 2, True, "bf16")]
+    assert "comm_dtype=torch.int8" in q[0]["label"]
     best_periodic = min(x["time_vs_allreduce"] for x in q if x["family"] == "periodic")
     assert q[0]["time_vs_allreduce"] < best_periodic < 1.0
     code, out, _ = run_cli(["plan", "--nodes", "4", "--gpus-per-node", "1", "--params", "0.43M", "--inter-bw", "10Gbit",

@@ -29,7 +29,7 @@ def _header(cluster, workload, wire_dtype) -> list:
         f" inter {format_bandwidth(cluster.inter_bandwidth)} per node, {format_seconds(cluster.inter_latency)};"
         f" intra {format_bandwidth(cluster.intra_bandwidth)} per {cluster.intra_sharing},"
         f" {format_seconds(cluster.intra_latency)}",
-        f"workload: {workload.params / 1e6:.4g}M params x {workload.bytes_per_param} B ({wire_dtype})"
+        f"workload: {workload.params / 1e6:.4g}M params x {workload.bytes_per_param:.4g} B ({wire_dtype})"
         f" = {format_bytes(workload.bytes_per_rank)} per rank per step; compute {comp}"
         f" (sigma^2 = {c.cv2:.4f}); mode {workload.mode}, exchange {workload.exchange}",
         f"all-reduce: {format_seconds(ar.comm_seconds)} communication"

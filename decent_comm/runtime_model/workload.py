@@ -8,7 +8,7 @@ step on one rank, a random variable ``C`` described by ``mean`` and ``std``
 communication with the forward only, all-reduce with the backward only.
 
 ``Workload``: ``params`` (count) times ``bytes_per_param`` (wire dtype: 4 for
-fp32, 2 for bf16/fp16) is the buffer ``B`` every rank exchanges per step
+fp32, 2 for bf16/fp16, 1 + 4/512 for the int8 wire with its scales) is the buffer ``B`` every rank exchanges per step
 (gradients for all-reduce, parameters for gossip); ``mode`` is ``"awc"``
 (communication overlaps forward + backward) or ``"atc"`` (forward only);
 ``bucket_bytes`` is the all-reduce bucket size (PyTorch DDP's default
@@ -36,7 +36,7 @@ EXCHANGES = ("auto", "p2p", "group-allreduce")
 #: (the same threshold the optimizers use).
 AUTO_MIN_GROUP = MIN_ALLREDUCE_GROUP
 WIRE_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
-               "float16": 2, "half": 2, "fp8": 1, "int8": 1, "fp64": 8, "float64": 8}
+               "float16": 2, "half": 2, "fp8": 1, "int8": 1 + 4 / 512, "fp64": 8, "float64": 8}
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 
