@@ -16,7 +16,7 @@ from decent_comm import topology as T
 
 from dist_utils import run_ranks
 from optim_cases import OPTIMIZERS, assert_every_rank_close, run_against_reference
-from test_optim_local import DEVICES, PAIRS, groups, make_model
+from test_optim_local import DEVICES, PAIRS, assert_params_close, groups, make_model, make_pair
 
 OVERFLOW_STEPS = {0, 3, 4}  # the first step overflows too: SGD's momentum starts at the next one
 STEPS = 9
@@ -42,12 +42,8 @@ def run_scaled(model, opt, device, steps=STEPS, on_step=None, start=0, scaler=No
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_under_grad_scaler_equals_torch_optimizer(name, device):
-    ours_cls, torch_cls, hp = PAIRS[name]
-    m_ours, m_torch = make_model(device), make_model(device)
-    ours, ref = ours_cls(groups(m_ours), **hp), torch_cls(groups(m_torch), **hp)
-    got, want = run_scaled(m_ours, ours, device)[0], run_scaled(m_torch, ref, device)[0]
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name} parameter {i}: {m}")
+    m_ours, ours, m_torch, ref = make_pair(name, device)
+    assert_params_close(name, run_scaled(m_ours, ours, device)[0], run_scaled(m_torch, ref, device)[0])
     # the state torch.optim tools read: every parameter's step count (overflowed steps and steps without a
     # gradient do not count) and buffers
     for i, (p, q) in enumerate(zip(m_ours.parameters(), m_torch.parameters())):

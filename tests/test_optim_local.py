@@ -54,16 +54,23 @@ def run(model, opt, device, steps, start=0, sched=None):
     return [p.detach().clone() for p in model.parameters()], sched
 
 
+def make_pair(name, device):
+    """PAIRS[name] built on two identical models: (our model, our optimizer, torch's model, torch's optimizer)."""
+    ours_cls, torch_cls, hp = PAIRS[name]
+    m_ours, m_torch = make_model(device), make_model(device)
+    return m_ours, ours_cls(groups(m_ours), **hp), m_torch, torch_cls(groups(m_torch), **hp)
+
+
+def assert_params_close(name, got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name} parameter {i}: {m}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_without_process_group_equals_torch_optimizer(name, device):
-    ours_cls, torch_cls, hp = PAIRS[name]
-    m_ours, m_torch = make_model(device), make_model(device)
-    ours = ours_cls(groups(m_ours), **hp)
-    ref = torch_cls(groups(m_torch), **hp)
-    got, want = run(m_ours, ours, device, STEPS)[0], run(m_torch, ref, device, STEPS)[0]
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name} parameter {i}: {m}")
+    m_ours, ours, m_torch, ref = make_pair(name, device)
+    assert_params_close(name, run(m_ours, ours, device, STEPS)[0], run(m_torch, ref, device, STEPS)[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)
