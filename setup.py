@@ -50,7 +50,11 @@ def cxx_std_flag():
 def build_extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/comm/*.cpp"))
     # -fopenmp: at::parallel_for is inline header code that only runs in parallel when compiled with OpenMP.
-    cxx_flags = [cxx_std_flag(), "-O3", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    # -ffp-contract=off: the 8-bit wire's copies must be bit-identical on every rank (int8_codec_math.h); a user's
+    # -march with FMA would otherwise let g++ fuse their multiply-adds. -fno-trapping-math: no code here reads the
+    # floating-point exception flags, and without it g++ keeps the codec's clamps and maxima as branches (scalar).
+    cxx_flags = [cxx_std_flag(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-Wall",
+                 "-Wno-unknown-pragmas"]
     # Python's sysconfig adds -g: debug info for every torch header each file includes more than doubles the
     # compile time (op_call.cpp: 43 s with it, 16 s without). DECENT_COMM_DEBUG=1 keeps it.
     if os.environ.get("DECENT_COMM_DEBUG") != "1":

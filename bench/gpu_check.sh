@@ -46,7 +46,7 @@ fi
       '| NCCL transport', e.nccl_available(), decent_comm._native.nccl_version())"
 
 step "tests (skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops.py tests/test_optim_local.py tests/test_optim_amp.py -k "$TEST_FILTER" \
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops.py tests/test_int8_codec.py tests/test_optim_local.py tests/test_optim_amp.py -k "$TEST_FILTER" \
   --junitxml "$OUT_DIR/gpu_tests_ops.xml" > "$OUT_DIR/gpu_tests_ops.log" 2>&1
 tail -4 "$OUT_DIR/gpu_tests_ops.log"
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_exchange_nccl.py \
@@ -59,6 +59,10 @@ step "kernel benchmark ($SIZES elements; a failing competitor is left out, not f
 "$PY" bench/mix_kernels.py --device "$DEVICE" --sizes "$SIZES" $BENCH_ARGS \
   --json "$OUT_DIR/mix_kernels_$DEVICE.json" > "$OUT_DIR/gpu_bench.log" 2>&1 || tail -20 "$OUT_DIR/gpu_bench.log"
 grep -F "left out" "$OUT_DIR/gpu_bench.log"
+# shellcheck disable=SC2086
+"$PY" bench/int8_codec.py --device "$DEVICE" --sizes "$SIZES" --threads 1 $BENCH_ARGS \
+  --json "$OUT_DIR/int8_codec_$DEVICE.json" > "$OUT_DIR/gpu_codec.log" 2>&1 || tail -20 "$OUT_DIR/gpu_codec.log"
+grep -E "^\| (encode|decode)" "$OUT_DIR/gpu_codec.log"
 
 step "NCCL transport benchmark (self-exchange)"
 rm -f "$OUT_DIR/exchange_nccl_self.json"

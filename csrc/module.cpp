@@ -29,6 +29,11 @@ py::object nccl_version() {
 
 }  // namespace
 
+namespace decent_comm {
+// cpu/int8_codec_cpu.cpp: "avx2" or "baseline", the instruction set its loops picked on this CPU.
+const char* int8_codec_cpu_isa();
+}  // namespace decent_comm
+
 // csrc/comm/bindings.cpp: the exchange scheduler and its transports.
 void register_comm_bindings(py::module& m);
 
@@ -36,5 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "decent_comm native extension: fused gossip-mix kernels and the exchange scheduler";
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA kernels were compiled in");
   m.def("nccl_version", &nccl_version, "NCCL version compiled against, or None");
+  m.def("int8_codec_cpu_isa", &decent_comm::int8_codec_cpu_isa,
+        "The instruction set the CPU loops of the int8 codec run with on this CPU (avx2 or baseline)");
   register_comm_bindings(m);
 }

@@ -133,6 +133,33 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
                          grad_scale, found_inf, state_step)
 
 
+def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = 512) -> None:
+    """The 8-bit wire's encoder, one pass over memory: payload <- Q(x - copy), then copy += deq(payload).
+
+    Q cuts x - copy (rounded to float32) into blocks of ``block`` elements and writes, per block, int8 levels
+    round((x - copy) * 127 / absmax) (round half to even, -127..127) and one float32 scale absmax / 127; the payload
+    (uint8) is ceil(n / block) * block levels (the tail of the last block 0), then the ceil(n / block) scales, so it
+    has ``int8_payload_nbytes(n, block)`` bytes and must start 4-byte aligned. ``copy`` is float32, ``x`` float32,
+    bfloat16, float16 (or float64 on CPU). Every float operation is one IEEE operation with its own rounding (no
+    FMA), so a receiver's int8_dequantize_add_ leaves its copy bit-identical to the sender's, on any CPU or GPU.
+    A non-finite value makes its block's scale, and so the copies of that block, NaN.
+    """
+    _ops.int8_encode_(x, copy, payload, _int64("block", block))
+
+
+def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = 512) -> None:
+    """copy += deq(payload) (level * scale, then the add, each rounded to float32): a receiver's side of
+    int8_encode_."""
+    _ops.int8_dequantize_add_(copy, payload, _int64("block", block))
+
+
+def int8_payload_nbytes(numel: int, block: int = 512) -> int:
+    """Bytes of an int8_encode_ payload for `numel` elements: the levels padded to whole blocks, and a float32
+    scale per block."""
+    blocks = -(-numel // block)
+    return blocks * block + 4 * blocks
+
+
 def has_cuda_kernels() -> bool:
     """True when this build registered CUDA kernels for every op."""
     return _native.built_with_cuda()

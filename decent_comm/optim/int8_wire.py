@@ -7,7 +7,8 @@ Each rank keeps public copies, float32, as optimizer state of the bucket:
 - for every neighbour j it receives from (with j's send set S_j at that step), its copy r_{j,S_j} of j.
 A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of BLOCK elements, and
 both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a sender's s and
-its receivers' r stay bit-identical. The mix uses the copies in difference form,
+its receivers' r stay bit-identical, on any mix of CPUs and GPUs. Encoding and decoding are one pass over memory
+each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_. The mix uses the copies in difference form,
 
     x_i <- x_i + sum_j w_ij r_j - (sum_j w_ij) s_i            (MixPlan.as_correction; AWC: inside the update)
 
@@ -25,53 +26,36 @@ from typing import Dict, List, Set
 
 import torch
 
+from .. import ops
 from ..topology import Topology
 
 BLOCK = 512      # elements per scale: 0.8% of the payload is scales
-_QMAX = 127.0    # symmetric: -127..127, so the zero of a delta is exact
 #: opt.state keys of the public copies start with this
 PREFIX = "int8_wire"
 
 
 def payload_nbytes(numel: int, block: int = BLOCK) -> int:
-    nb = -(-numel // block)
-    return nb * block + 4 * nb
+    return ops.int8_payload_nbytes(numel, block)
 
 
 def _views(payload: torch.Tensor, numel: int, block: int):
+    """The (blocks, block) int8 levels and the float32 scales of a payload."""
     nb = -(-numel // block)
     return payload[:nb * block].view(torch.int8).view(nb, block), payload[nb * block:].view(torch.float32)
 
 
 @torch.no_grad()
-def quantize_(delta: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
-    """payload <- Q(delta). `delta` is float32 of a multiple of `block` elements (the tail zero) and is
-    overwritten."""
-    nb = delta.numel() // block
-    q, scale = _views(payload, nb * block, block)
-    d = delta.view(nb, block)
-    amax = torch.linalg.vector_norm(d, float("inf"), dim=1)
-    torch.div(amax, _QMAX, out=scale)
-    inv = torch.where(amax > 0, _QMAX / amax, torch.zeros_like(amax))
-    q.copy_(d.mul_(inv[:, None]).round_().clamp_(-_QMAX, _QMAX))
+def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+    """payload <- Q(x - copy), then copy += deq(payload) (the receivers' copy of x after this round): one pass of
+    the fused codec kernel (decent_comm.ops.int8_encode_)."""
+    ops.int8_encode_(x, copy, payload, block)
 
 
 @torch.no_grad()
 def dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
-    """copy += deq(payload): the one definition both ends of an edge run, so their copies stay identical."""
-    n = copy.numel()
-    q, scale = _views(payload, n, block)
-    copy.add_(q.to(torch.float32).mul_(scale[:, None]).view(-1)[:n])
-
-
-@torch.no_grad()
-def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
-    """payload <- Q(x - copy), then copy += deq(payload) (the receivers' copy of x after this round)."""
-    n = x.numel()
-    delta = torch.zeros(-(-n // block) * block, dtype=torch.float32, device=x.device)
-    torch.sub(x, copy, out=delta[:n])
-    quantize_(delta, payload, block)
-    dequantize_add_(copy, payload, block)
+    """copy += deq(payload): the one definition both ends of an edge run (decent_comm.ops.int8_dequantize_add_,
+    the same IEEE operations on every CPU and GPU), so their copies stay identical."""
+    ops.int8_dequantize_add_(copy, payload, block)
 
 
 def _key(ranks) -> str:

@@ -1,0 +1,137 @@
+// The CPU loops of the 8-bit wire's codec: one pass over memory per call, blocks spread over the at::parallel_for
+// pool. Encode reads x and the copy once (the block's deltas wait in an L1-resident array between the absmax and
+// the rounding), writes the levels, the scale and the copy once. The element math is int8_codec_math.h.
+//
+// The loops are compiled twice: for the x86-64 baseline (SSE2) and, in functions of their own with
+// target("avx2"), for CPUs that have AVX2, picked at run time (as ATen dispatches its kernels). The math is the same
+// IEEE operations either way (no FMA: -ffp-contract=off), so both give the same bits. Only the loop functions carry
+// the target attribute, never code from headers, so no AVX2 instance of an inline function can reach a CPU without
+// AVX2 through the linker.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "../kernels/int8_codec_launch.h"
+#include "../kernels/int8_codec_math.h"
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define DC_CODEC_AVX2 1
+#define DC_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define DC_CODEC_AVX2 0
+#define DC_TARGET_AVX2
+#endif
+#define DC_INLINE __attribute__((always_inline)) inline
+
+namespace decent_comm {
+namespace {
+
+// About 32K elements per task, as the mix loops: smaller buffers are not worth waking the pool for.
+int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, 32768 / block); }
+
+DC_INLINE float as_opmath(float v) { return v; }
+DC_INLINE double as_opmath(double v) { return v; }
+DC_INLINE float as_opmath(c10::BFloat16 v) { return float(v); }
+DC_INLINE float as_opmath(c10::Half v) { return float(v); }
+
+template <typename XT>
+DC_INLINE void encode_blocks(const Int8Codec& c, int64_t first, int64_t last) {
+  const XT* const x = static_cast<const XT*>(c.x);
+  float delta[kInt8MaxBlock];
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * c.block;
+    const int64_t len = std::min(c.block, c.numel - start);
+    const XT* const xb = x + start;
+    float* const copy = c.copy + start;
+    int8_t* const levels = c.levels + start;
+    // Deltas, and their absmax as an integer maximum of bit patterns (int8_abs_bits), which vectorizes.
+    int32_t absmax_bits = 0;
+    for (int64_t i = 0; i < len; ++i) {
+      delta[i] = int8_delta(as_opmath(xb[i]), copy[i]);
+      const int32_t bits = int8_abs_bits(delta[i]);
+      absmax_bits = bits > absmax_bits ? bits : absmax_bits;
+    }
+    const float absmax = int8_from_bits(absmax_bits);
+    // The rounding pass below reads no memory beyond L1; ask for the next block now, so its loads overlap that
+    // work (without this, one thread reaches half the memory bandwidth: the two passes take turns).
+    if (b + 1 < last) {
+      const int64_t next = std::min(c.block, c.numel - start - c.block);
+      for (int64_t i = 0; i < next; i += 64 / int64_t(sizeof(XT))) __builtin_prefetch(xb + c.block + i);
+      for (int64_t i = 0; i < next; i += 16) __builtin_prefetch(copy + c.block + i, 1);
+    }
+    const float scale = int8_scale(absmax);
+    const float inverse = int8_inverse(absmax);
+    // Each element depends on element i of each operand only, and the op refuses overlapping operands.
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i) {
+      const float biased = int8_biased_level(delta[i], inverse);
+      levels[i] = int8_level_byte(biased);
+      copy[i] = int8_dequantize_add(copy[i], int8_level(biased), scale);
+    }
+    std::fill(levels + len, levels + c.block, int8_t(0));  // the padding of the last block
+    c.scales[b] = scale;
+  }
+}
+
+DC_INLINE void dequantize_add_blocks(const Int8Codec& c, int64_t first, int64_t last) {
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * c.block;
+    const int64_t len = std::min(c.block, c.numel - start);
+    const float scale = c.scales[b];
+    float* const copy = c.copy + start;
+    const int8_t* const levels = c.levels + start;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i) copy[i] = int8_dequantize_add(copy[i], float(levels[i]), scale);
+  }
+}
+
+template <typename XT>
+void encode_base(const Int8Codec& c, int64_t first, int64_t last) { encode_blocks<XT>(c, first, last); }
+template <typename XT>
+DC_TARGET_AVX2 void encode_avx2(const Int8Codec& c, int64_t first, int64_t last) {
+  encode_blocks<XT>(c, first, last);
+}
+void dequantize_add_base(const Int8Codec& c, int64_t first, int64_t last) { dequantize_add_blocks(c, first, last); }
+DC_TARGET_AVX2 void dequantize_add_avx2(const Int8Codec& c, int64_t first, int64_t last) {
+  dequantize_add_blocks(c, first, last);
+}
+
+bool cpu_has_avx2() {
+#if DC_CODEC_AVX2
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
+using BlockLoop = void (*)(const Int8Codec&, int64_t, int64_t);
+
+void run_blocks(const Int8Codec& c, BlockLoop base, BlockLoop avx2) {
+  const BlockLoop loop = cpu_has_avx2() ? avx2 : base;
+  at::parallel_for(0, c.blocks(), grain_blocks(c.block), [&](int64_t first, int64_t last) { loop(c, first, last); });
+}
+
+template <typename XT>
+void encode_typed(const Int8Codec& c) { run_blocks(c, &encode_base<XT>, &encode_avx2<XT>); }
+
+}  // namespace
+
+void int8_encode_cpu(const Int8Codec& c) {
+  switch (c.x_dtype) {
+    case DType::Float32: return encode_typed<float>(c);
+    case DType::BFloat16: return encode_typed<c10::BFloat16>(c);
+    case DType::Float16: return encode_typed<c10::Half>(c);
+    case DType::Float64: return encode_typed<double>(c);
+  }
+  throw std::invalid_argument("decent_comm: unsupported x dtype for int8_encode_");
+}
+
+void int8_dequantize_add_cpu(const Int8Codec& c) { run_blocks(c, &dequantize_add_base, &dequantize_add_avx2); }
+
+const char* int8_codec_cpu_isa() { return cpu_has_avx2() ? "avx2" : "baseline"; }
+
+}  // namespace decent_comm

@@ -1,0 +1,194 @@
+"""The 8-bit wire's codec ops (decent_comm.ops.int8_encode_ / int8_dequantize_add_) against the independent numpy
+float32 model of tests/int8_reference.py, bit for bit, on every device present; a GPU's copies equal the CPU's bit
+for bit (a CPU rank and a GPU rank may share an edge); misuse refused by name."""
+
+import numpy as np
+import pytest
+import torch
+
+from decent_comm import ops
+
+from int8_reference import roundtrip32
+from op_inputs import DEVICES
+
+CUDA = torch.cuda.is_available()
+
+
+def _case(n, seed, x_dtype=torch.float32, device="cpu"):
+    """x of blocks of very different scales (1e-6..1e2), some all-zero, and a non-zero copy."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-6, 2, n, dtype=torch.float64).roll(n // 3)
+    if n > 1024:
+        x[512:1024] = 0
+    copy = torch.randn(n, generator=g) * (seed % 2)
+    if n > 1024:
+        copy[512:1024] = 0  # an all-zero delta block: scale 0, levels 0, the copy unchanged
+    return x.to(x_dtype).to(device), copy.to(device)
+
+
+def _levels_scales(payload, n, block):
+    nb = -(-n // block)
+    return payload[:nb * block].view(torch.int8), payload[nb * block:].view(torch.float32)
+
+
+def _model(x, copy, block):
+    """What encode must produce: the numpy quantization of x - copy (torch.sub into float32: a float64 x subtracted
+    in float64, a 16-bit x converted exactly), the copy after the add."""
+    d = torch.zeros(x.numel())
+    torch.sub(x.cpu(), copy.cpu(), out=d)
+    deq, q, scale = roundtrip32(d.numpy(), block)
+    return copy.cpu().numpy() + deq, q, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("n", [1, 7, 511, 512, 513, 3000, 100_003])
+def test_encode_matches_the_numpy_model_bit_for_bit(device, x_dtype, n):
+    if device == "cuda" and x_dtype == torch.float64:
+        pytest.skip("float64 is CPU-only")
+    for seed in range(3):
+        x, copy = _case(n, seed, x_dtype, device)
+        want_copy, want_q, want_scale = _model(x, copy, 512)
+        payload = torch.full((ops.int8_payload_nbytes(n),), 77, dtype=torch.uint8, device=device)
+        ops.int8_encode_(x, copy, payload)
+        q, scale = _levels_scales(payload.cpu(), n, 512)
+        assert np.array_equal(q[:n].numpy(), want_q), (seed, np.nonzero(q[:n].numpy() != want_q)[0][:5])
+        assert (q[n:] == 0).all(), "the padding of the last block must be 0"
+        assert np.array_equal(scale.numpy(), want_scale)
+        assert np.array_equal(copy.cpu().numpy(), want_copy)
+        # the receiver's side: from the same starting copy, the same bits
+        receiver = _case(n, seed, x_dtype, device)[1]
+        ops.int8_dequantize_add_(receiver, payload)
+        assert torch.equal(receiver, copy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounding_ties_go_to_even(device):
+    # absmax 127 makes the factor 1: every x.5 is a tie, 14.5 -> 14 and 15.5 -> 16 (not away from zero)
+    x = torch.tensor([127.0, 14.5, 15.5, -14.5, -15.5, 0.5, 1.5, 2.5, -0.5, -1.5] * 3, device=device)
+    copy = torch.zeros_like(x)
+    payload = torch.empty(ops.int8_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
+    ops.int8_encode_(x, copy, payload)
+    q, scale = _levels_scales(payload.cpu(), x.numel(), 512)
+    assert q[:10].tolist() == [127, 14, 16, -14, -16, 0, 2, 2, 0, -2]
+    assert scale.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [4, 64, 2048, 8192])
+def test_other_block_sizes(device, block):
+    n = 3 * block + 5
+    x, copy = _case(n, 1, device=device)
+    want_copy, want_q, want_scale = _model(x, copy, block)
+    payload = torch.empty(ops.int8_payload_nbytes(n, block), dtype=torch.uint8, device=device)
+    ops.int8_encode_(x, copy, payload, block)
+    q, scale = _levels_scales(payload.cpu(), n, block)
+    assert np.array_equal(q[:n].numpy(), want_q) and np.array_equal(scale.numpy(), want_scale)
+    assert np.array_equal(copy.cpu().numpy(), want_copy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_value_poisons_its_block_only(device):
+    n = 2048
+    for bad in [float("nan"), float("inf"), -float("inf")]:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+        x[700] = bad
+        copy = torch.zeros(n, device=device)
+        payload = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device=device)
+        ops.int8_encode_(x, copy, payload)
+        _, scale = _levels_scales(payload.cpu(), n, 512)
+        assert not torch.isfinite(scale[1]) and torch.isfinite(scale[[0, 2, 3]]).all()
+        assert copy[512:1024].isnan().all(), "the block of the bad value must be NaN on both ends"
+        clean = x.clone()
+        clean[512:1024] = 0
+        want_copy, _, _ = _model(clean, torch.zeros(n, device=device), 512)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[512:1024] = False
+        assert np.array_equal(copy.cpu()[keep].numpy(), want_copy[keep.numpy()])
+
+
+def test_threads_give_the_same_bits():
+    n = 1_000_003
+    x, copy = _case(n, 3)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            c = copy.clone()
+            payload = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8)
+            ops.int8_encode_(x, c, payload)
+            r = copy.clone()
+            ops.int8_dequantize_add_(r, payload)
+            outs.append((c, payload, r))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_copies_equal_the_cpu_copies(x_dtype):
+    """A GPU sender and a CPU receiver (or the other way) keep identical copies over rounds of error feedback."""
+    n = 1_000_003
+    x, copy = _case(n, 5, x_dtype)
+    cpu_copy, gpu_copy = copy.clone(), copy.cuda()
+    gpu_x = x.cuda()
+    for _ in range(3):
+        p_cpu = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8)
+        p_gpu = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device="cuda")
+        ops.int8_encode_(x, cpu_copy, p_cpu)
+        ops.int8_encode_(gpu_x, gpu_copy, p_gpu)
+        assert torch.equal(p_gpu.cpu(), p_cpu)
+        assert torch.equal(gpu_copy.cpu(), cpu_copy)
+        x = x + torch.randn(n, generator=torch.Generator().manual_seed(_)).to(x_dtype) * 1e-3
+        gpu_x = x.cuda()
+
+
+def _operands(n=1000, device="cpu"):
+    return (torch.randn(n, device=device), torch.zeros(n, device=device),
+            torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device=device))
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x, c, p: (x, c, p[:-4]), "payload has 1028 bytes but 1000 elements in blocks of 512 need 1032"),
+    (lambda x, c, p: (x, c.double(), p), "copy must be float32"),
+    (lambda x, c, p: (x, c, p.view(torch.int8)), "payload must be uint8"),
+    (lambda x, c, p: (x.int(), c, p), "x has unsupported dtype"),
+    (lambda x, c, p: (x[:999], c, p), "x has 999 elements but copy has 1000"),
+    (lambda x, c, p: (x.view(10, 100), c, p), "x must be a 1-D flat buffer"),
+    (lambda x, c, p: (torch.randn(2000)[::2], c, p), "x must be contiguous"),
+    (lambda x, c, p: (x, c, torch.empty(ops.int8_payload_nbytes(1000) + 1, dtype=torch.uint8)[1:]),
+     "payload must start 4-byte aligned"),
+    (lambda x, c, p: (c, c, p), "copy and x share memory"),
+    (lambda x, c, p: (x, c, c.view(torch.uint8)[:ops.int8_payload_nbytes(1000)]), "copy and payload share memory"),
+])
+def test_misuse_is_refused_by_name_and_writes_nothing(mutate, match):
+    x, c, p = mutate(*_operands())
+    before = (c.clone(), p.clone())
+    with pytest.raises(RuntimeError, match=match):
+        ops.int8_encode_(x, c, p)
+    assert torch.equal(c, before[0]) and torch.equal(p, before[1])
+
+
+def test_bad_block_and_autograd_are_refused():
+    x, c, p = _operands()
+    for block in (0, 3, 6, 16384):
+        with pytest.raises(RuntimeError, match="block must be a multiple of 4"):
+            ops.int8_encode_(x, c, p, block)
+    with pytest.raises(ValueError, match="block must be an integer"):
+        ops.int8_dequantize_add_(c, p, 512.0)
+    with pytest.raises(RuntimeError, match="x requires grad while autograd is recording"):
+        ops.int8_encode_(x.requires_grad_(), c, p)
+    with torch.no_grad():
+        ops.int8_encode_(x, c, p)  # as an optimizer calls it
+    version = c._version
+    ops.int8_dequantize_add_(c, p)
+    assert c._version > version, "a written tensor's version counter must move (autograd detects stale saves)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x, c, p = _operands(1500, device)
+    torch.library.opcheck(torch.ops.decent_comm.int8_encode_.default, (x, c, p, 512))
+    torch.library.opcheck(torch.ops.decent_comm.int8_dequantize_add_.default, (c, p, 512))
