@@ -16,7 +16,11 @@ final validation loss of the global-average model and its gap to all-reduce (tar
 The lr rule (--lr-rule sqrt, the default; decent_comm.decentralized_adam_hparams says why) gives DAdamW sqrt(n) times
 the baseline lr and AccumAdamW sqrt(n / accum_steps) times it; `--lr-rule none` runs every optimizer at --lr.
 
-    python bench/quality.py [--nprocs 4,8] [--modes atc,awc] [--steps 300] [--lr 3e-3] [--lr-rule sqrt|none] [--quick]
+With --wires fp32,int8 (or bf16) every decentralized run also runs over that wire, and a line per run gives its
+final loss against the same run over the fp32 wire.
+
+    python bench/quality.py [--nprocs 4,8] [--modes atc,awc] [--wires fp32,int8] [--steps 300] [--lr 3e-3]
+                            [--lr-rule sqrt|none] [--quick]
 """
 
 import argparse
@@ -34,6 +38,8 @@ log = logging.getLogger("quality")
 
 OPTIMIZERS = ("dadamw", "accumadamw")
 TOPOLOGIES = {"one-peer-exp": [], "aer": ["--local-world-size", "2"]}
+#: --wires: what a decentralized run sends (fp32: the parameters' dtype)
+WIRES = {"fp32": [], "bf16": ["--bf16-wire"], "int8": ["--int8-wire"]}
 
 
 def runs(args, nproc: int):
@@ -44,9 +50,23 @@ def runs(args, nproc: int):
                                             args.lr_rule)
         for topo in args.topologies:
             for mode in args.modes:
-                out.append((f"{opt} {topo} {mode}", ["--optimizer", opt, "--topology", topo, "--mode", mode, *hp_flags,
-                                                     *TOPOLOGIES[topo]]))
+                for wire in args.wires:
+                    label = f"{opt} {topo} {mode}" + ("" if wire == "fp32" else f" {wire}")
+                    out.append((label, ["--optimizer", opt, "--topology", topo, "--mode", mode, *hp_flags,
+                                        *TOPOLOGIES[topo], *WIRES[wire]]))
     return out
+
+
+def wire_gaps(results, wires):
+    """Markdown lines: each narrower wire's final validation loss against the same run over the fp32 wire."""
+    loss = {label: r["summary"].get("final_val_loss") for label, r in results}
+    lines = []
+    for label, value in loss.items():
+        wire = label.rsplit(" ", 1)[-1]
+        base = loss.get(label.rsplit(" ", 1)[0]) if wire in wires and wire != "fp32" else None
+        if base and value is not None:
+            lines.append(f"- {label}: {value:.4f} vs {base:.4f} over fp32 ({100 * (value / base - 1):+.2f}%)")
+    return lines
 
 
 def choice_list(parser, flag: str, value: str, allowed):
@@ -71,6 +91,8 @@ def main(argv=None):
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="decentralized optimizers to run")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="topologies to run them on")
     p.add_argument("--modes", default="atc,awc", help=f"decentralized modes to run each in ({', '.join(MODES)})")
+    p.add_argument("--wires", default="fp32", help=f"wires to run each decentralized run over ({', '.join(WIRES)}); "
+                   "a narrower one is also compared with the fp32 run")
     p.add_argument("--quick", action="store_true", help="30 steps at 4 ranks, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
@@ -80,6 +102,7 @@ def main(argv=None):
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     args.topologies = choice_list(p, "--topologies", args.topologies, TOPOLOGIES)
     args.modes = choice_list(p, "--modes", args.modes, MODES)
+    args.wires = choice_list(p, "--wires", args.wires, WIRES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s quality: %(message)s", datefmt="%H:%M:%S")
 
     sections, summary = [], {}
@@ -92,7 +115,8 @@ def main(argv=None):
             out_dir = os.path.join(args.out, f"n{nproc}_run{i}")
             results.append((label, run_train_lm(label, [*flags, "--warmup", str(args.warmup)], args, out_dir,
                                                 "quality")))
-        sections.append(f"### {nproc} ranks\n\n{table(results)}\n")
+        gaps = wire_gaps(results, args.wires)
+        sections.append(f"### {nproc} ranks\n\n{table(results)}\n" + ("\n" + "\n".join(gaps) + "\n" if gaps else ""))
         summary[nproc] = {label: r["summary"] for label, r in results}
 
     header = (f"train_lm: {args.layers} layers, d_model {args.d_model}, seq {args.seq_len}, batch {args.batch_size}"
