@@ -89,7 +89,7 @@ def main():
     repeats = args.repeats or (7 if args.device == "cpu" else 50)
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     print(f"device {args.device} ({name}), torch {torch.__version__}; CPU capability (torch) "
-          f"{torch.backends.cpu.get_cpu_capability()}, codec loops {_native.int8_codec_cpu_isa()}")
+          f"{torch.backends.cpu.get_cpu_capability()}, codec loops {_native.cpu_isa()}")
     print("| op     |   size | threads | GB/s | roofline | vs torch ops |")
     print("|--------|--------|---|--------|----------|--------------|")
     rows = []
@@ -101,7 +101,7 @@ def main():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dict(device=args.device, device_name=name, torch=torch.__version__,
-                       isa=_native.int8_codec_cpu_isa(), rows=rows), f, indent=1)
+                       isa=_native.cpu_isa(), rows=rows), f, indent=1)
     print(f"wrote {path}")
 
 

@@ -11,7 +11,10 @@ roofline_bandwidth), plus lerp_ (one pass, k = 1) as a named baseline.
 GB/s counts the minimum bytes an op must move (read x and every neighbour once, write x once).
 mix_adam_ is compared with torch.optim.AdamW (foreach on CPU, fused on CUDA) followed by the same mix.
 
-    python bench/mix_kernels.py [--quick] [--device cpu|cuda] [--json PATH]
+The CPU loops run with the best instruction set the CPU has (the header line names it and torch's); run with
+DECENT_COMM_CPU_ISA=baseline to time the x86-64 baseline loops against the same torch kernels.
+
+    python bench/mix_kernels.py [--quick] [--device cpu|cuda] [--threads 1,2] [--json PATH]
 """
 
 import argparse
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from decent_comm import ops
+from decent_comm import _native, ops
 
 
 INNER = 1  # back-to-back calls per timing on CUDA (--inner): one call at 1M elements times its launch only
@@ -208,6 +211,8 @@ def main():
     ap.add_argument("--sizes", default=None, help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
+    ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
+                    "torch's current count)")
     args = ap.parse_args()
 
     sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
@@ -219,19 +224,29 @@ def main():
     repeats = args.repeats or (5 if args.device == "cpu" else 50)
     nb_dtypes = [torch.float32, torch.bfloat16]
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else platform.processor() or platform.machine()}), "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+          f"torch {torch.__version__}; CPU capability: torch {torch.backends.cpu.get_cpu_capability()}, decent_comm "
+          f"{_native.cpu_isa()} (DECENT_COMM_CPU_ISA picks a lower one)")
     print("speedup = baseline time / our time; roofline = same-shape in-place torch kernel (k=1: add_, k=2: "
           "addcmul_), else the best of copy_/add_/addcmul_")
-    print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
-    print("|--------------|-------|---|----------|--------|----------|----------------------|")
-    rows = bench_mix(args.device, sizes, ks, nb_dtypes, repeats)
-    rows += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+    threads = [int(t) for t in args.threads.split(",")] if args.threads and args.device == "cpu" else [None]
+    rows = []
+    for count in threads:
+        if count is not None:
+            torch.set_num_threads(count)
+        print(f"\nthreads {torch.get_num_threads()}")
+        print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
+        print("|--------------|-------|---|----------|--------|----------|----------------------|")
+        part = bench_mix(args.device, sizes, ks, nb_dtypes, repeats)
+        part += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+        for r in part:
+            r["threads"] = torch.get_num_threads()
+        rows += part
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                      f"mix_kernels_{args.device}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(device=args.device, torch=torch.__version__, threads=torch.get_num_threads(), rows=rows), f,
-                  indent=1)
+        json.dump(dict(device=args.device, torch=torch.__version__, cpu_isa=_native.cpu_isa(),
+                       torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), rows=rows), f, indent=1)
     print(f"wrote {path}")
 
 

@@ -11,4 +11,4 @@ except ImportError as exc:  # pragma: no cover - only without a build
 
 built_with_cuda = _C.built_with_cuda
 nccl_version = _C.nccl_version
-int8_codec_cpu_isa = _C.int8_codec_cpu_isa
+cpu_isa = _C.cpu_isa

@@ -2,11 +2,8 @@
 // pool. Encode reads x and the copy once (the block's deltas wait in an L1-resident array between the absmax and
 // the rounding), writes the levels, the scale and the copy once. The element math is int8_codec_math.h.
 //
-// The loops are compiled twice: for the x86-64 baseline (SSE2) and, in functions of their own with
-// target("avx2"), for CPUs that have AVX2, picked at run time (as ATen dispatches its kernels). The math is the same
-// IEEE operations either way (no FMA: -ffp-contract=off), so both give the same bits. Only the loop functions carry
-// the target attribute, never code from headers, so no AVX2 instance of an inline function can reach a CPU without
-// AVX2 through the linker.
+// The loops are Range structs compiled once per instruction set and picked at run time (cpu_isa.h); the math is
+// the same IEEE operations in each, so all give the same bits.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -16,15 +13,7 @@
 
 #include "../kernels/int8_codec_launch.h"
 #include "../kernels/int8_codec_math.h"
-
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define DC_CODEC_AVX2 1
-#define DC_TARGET_AVX2 __attribute__((target("avx2")))
-#else
-#define DC_CODEC_AVX2 0
-#define DC_TARGET_AVX2
-#endif
-#define DC_INLINE __attribute__((always_inline)) inline
+#include "cpu_isa.h"
 
 namespace decent_comm {
 namespace {
@@ -32,13 +21,13 @@ namespace {
 // About 32K elements per task, as the mix loops: smaller buffers are not worth waking the pool for.
 int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, 32768 / block); }
 
-DC_INLINE float as_opmath(float v) { return v; }
-DC_INLINE double as_opmath(double v) { return v; }
-DC_INLINE float as_opmath(c10::BFloat16 v) { return float(v); }
-DC_INLINE float as_opmath(c10::Half v) { return float(v); }
+DC_ALWAYS_INLINE float as_opmath(float v) { return v; }
+DC_ALWAYS_INLINE double as_opmath(double v) { return v; }
+DC_ALWAYS_INLINE float as_opmath(c10::BFloat16 v) { return float(v); }
+DC_ALWAYS_INLINE float as_opmath(c10::Half v) { return float(v); }
 
 template <typename XT>
-DC_INLINE void encode_blocks(const Int8Codec& c, int64_t first, int64_t last) {
+DC_ALWAYS_INLINE void encode_blocks(const Int8Codec& c, int64_t first, int64_t last) {
   const XT* const x = static_cast<const XT*>(c.x);
   float delta[kInt8MaxBlock];
   for (int64_t b = first; b < last; ++b) {
@@ -76,7 +65,7 @@ DC_INLINE void encode_blocks(const Int8Codec& c, int64_t first, int64_t last) {
   }
 }
 
-DC_INLINE void dequantize_add_blocks(const Int8Codec& c, int64_t first, int64_t last) {
+DC_ALWAYS_INLINE void dequantize_add_blocks(const Int8Codec& c, int64_t first, int64_t last) {
   for (int64_t b = first; b < last; ++b) {
     const int64_t start = b * c.block;
     const int64_t len = std::min(c.block, c.numel - start);
@@ -89,34 +78,28 @@ DC_INLINE void dequantize_add_blocks(const Int8Codec& c, int64_t first, int64_t 
 }
 
 template <typename XT>
-void encode_base(const Int8Codec& c, int64_t first, int64_t last) { encode_blocks<XT>(c, first, last); }
-template <typename XT>
-DC_TARGET_AVX2 void encode_avx2(const Int8Codec& c, int64_t first, int64_t last) {
-  encode_blocks<XT>(c, first, last);
-}
-void dequantize_add_base(const Int8Codec& c, int64_t first, int64_t last) { dequantize_add_blocks(c, first, last); }
-DC_TARGET_AVX2 void dequantize_add_avx2(const Int8Codec& c, int64_t first, int64_t last) {
-  dequantize_add_blocks(c, first, last);
-}
+struct EncodeRange {
+  using Result = void;
+  static DC_ALWAYS_INLINE void run(const void* c, int64_t first, int64_t last) {
+    encode_blocks<XT>(*static_cast<const Int8Codec*>(c), first, last);
+  }
+};
 
-bool cpu_has_avx2() {
-#if DC_CODEC_AVX2
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-#else
-  return false;
-#endif
-}
+struct DequantizeAddRange {
+  using Result = void;
+  static DC_ALWAYS_INLINE void run(const void* c, int64_t first, int64_t last) {
+    dequantize_add_blocks(*static_cast<const Int8Codec*>(c), first, last);
+  }
+};
 
-using BlockLoop = void (*)(const Int8Codec&, int64_t, int64_t);
-
-void run_blocks(const Int8Codec& c, BlockLoop base, BlockLoop avx2) {
-  const BlockLoop loop = cpu_has_avx2() ? avx2 : base;
-  at::parallel_for(0, c.blocks(), grain_blocks(c.block), [&](int64_t first, int64_t last) { loop(c, first, last); });
+template <typename Range>
+void run_blocks(const Int8Codec& c) {
+  const auto loop = pick_range<Range>();
+  at::parallel_for(0, c.blocks(), grain_blocks(c.block), [&](int64_t first, int64_t last) { loop(&c, first, last); });
 }
 
 template <typename XT>
-void encode_typed(const Int8Codec& c) { run_blocks(c, &encode_base<XT>, &encode_avx2<XT>); }
+void encode_typed(const Int8Codec& c) { run_blocks<EncodeRange<XT>>(c); }
 
 }  // namespace
 
@@ -130,8 +113,6 @@ void int8_encode_cpu(const Int8Codec& c) {
   throw std::invalid_argument("decent_comm: unsupported x dtype for int8_encode_");
 }
 
-void int8_dequantize_add_cpu(const Int8Codec& c) { run_blocks(c, &dequantize_add_base, &dequantize_add_avx2); }
-
-const char* int8_codec_cpu_isa() { return cpu_has_avx2() ? "avx2" : "baseline"; }
+void int8_dequantize_add_cpu(const Int8Codec& c) { run_blocks<DequantizeAddRange>(c); }
 
 }  // namespace decent_comm
