@@ -22,8 +22,18 @@ def build_summary() -> dict:
         "kernels": "CPU and CUDA" if _native.built_with_cuda() else "CPU only",
         "nccl_transport": ".".join(map(str, nccl)) if nccl else None,
         "cuda_devices_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "cpu": f"{platform.machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        "cpu": f"{platform.machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+               f"decent_comm CPU loops {_cpu_loops()}",
     }
+
+
+def _cpu_loops() -> str:
+    """The instruction set decent_comm's CPU loops run with, or why none (a bad DECENT_COMM_CPU_ISA)."""
+    from .. import _native
+    try:
+        return _native.cpu_isa()
+    except ValueError as exc:
+        return f"none: {exc}"
 
 
 def _package_version() -> str:
