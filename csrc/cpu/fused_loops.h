@@ -4,8 +4,9 @@
 // written so the compiler vectorizes them without -march flags, and every byte of every operand is read once and
 // written at most once. Each loop is compiled for the SSE2 baseline, AVX2 and AVX-512, and the copy for this CPU
 // runs (cpu_isa.h). Measured on an AVX2 EPYC, one thread, 16M-64M elements: the baseline loops of mix_adam_ reach
-// 55-75% of the bandwidth of the torch kernel with the same streams, the AVX2 ones 98-105% (bench/mix_kernels.py). Each update kind is instantiated in a translation unit of its
-// own (fused_<update>_cpu.cpp), so the build compiles them in parallel; fused_mix_cpu.cpp picks one per call.
+// 55-75% of the bandwidth of the torch kernel with the same streams, the AVX2 ones 98-105% (bench/mix_kernels.py).
+// Each update kind is instantiated in a translation unit of its own (fused_<update>_cpu.cpp), so the build compiles
+// them in parallel; fused_mix_cpu.cpp picks one per call.
 // The extension is compiled with -fopenmp: at::parallel_for is header code, and without OpenMP in the translation
 // unit it would run on one thread.
 #pragma once

@@ -8,7 +8,8 @@ Each rank keeps public copies, float32, as optimizer state of the bucket:
 A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of BLOCK elements, and
 both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a sender's s and
 its receivers' r stay bit-identical, on any mix of CPUs and GPUs. Encoding and decoding are one pass over memory
-each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_. The mix uses the copies in difference form,
+each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_. The mix uses the copies in
+difference form,
 
     x_i <- x_i + sum_j w_ij r_j - (sum_j w_ij) s_i            (MixPlan.as_correction; AWC: inside the update)
 
