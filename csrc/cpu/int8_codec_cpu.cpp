@@ -54,11 +54,19 @@ DC_ALWAYS_INLINE void encode_blocks(const Int8Codec& c, int64_t first, int64_t l
     const float scale = int8_scale(absmax);
     const float inverse = int8_inverse(absmax);
     // Each element depends on element i of each operand only, and the op refuses overlapping operands.
+    if (int8_block_is_finite(absmax, inverse)) {
 #pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i) {
-      const float biased = int8_biased_level(delta[i], inverse);
-      levels[i] = int8_level_byte(biased);
-      copy[i] = int8_dequantize_add(copy[i], int8_level(biased), scale);
+      for (int64_t i = 0; i < len; ++i) {
+        const float biased = int8_biased_level_finite(delta[i], inverse);
+        levels[i] = int8_level_byte(biased);
+        copy[i] = int8_dequantize_add(copy[i], int8_level(biased), scale);
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) {
+        const float biased = int8_biased_level(delta[i], inverse);
+        levels[i] = int8_level_byte(biased);
+        copy[i] = int8_dequantize_add(copy[i], int8_level(biased), scale);
+      }
     }
     std::fill(levels + len, levels + c.block, int8_t(0));  // the padding of the last block
     c.scales[b] = scale;

@@ -94,6 +94,13 @@ DC_HD float int8_biased_level(float d, float inverse) {
   return int8_add(v, kInt8Round);
 }
 
+// The same when the block's absmax and inverse are finite: then |d * inverse| <= 127 * (1 + 2^-22), so the clamps
+// and the NaN guard above are no-ops and this gives the same bits with fewer instructions (the CPU's fast path).
+DC_HD float int8_biased_level_finite(float d, float inverse) { return int8_add(int8_mul(d, inverse), kInt8Round); }
+DC_HD bool int8_block_is_finite(float absmax, float inverse) {
+  return absmax <= 3.4028234663852886e38f && inverse <= 3.4028234663852886e38f;
+}
+
 DC_HD float int8_level(float biased) { return int8_sub(biased, kInt8Round); }
 
 // The int8 of a biased level: for |n| < 2^22, n + 1.5 * 2^23 has the bit pattern 0x4B400000 + n.
