@@ -46,7 +46,7 @@ fi
       '| NCCL transport', e.nccl_available(), decent_comm._native.nccl_version())"
 
 step "tests (skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops.py tests/test_int8_codec.py tests/test_optim_local.py tests/test_optim_amp.py -k "$TEST_FILTER" \
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops.py tests/test_int8_codec.py tests/test_dequantizing_mix.py tests/test_optim_local.py tests/test_optim_amp.py -k "$TEST_FILTER" \
   --junitxml "$OUT_DIR/gpu_tests_ops.xml" > "$OUT_DIR/gpu_tests_ops.log" 2>&1
 tail -4 "$OUT_DIR/gpu_tests_ops.log"
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_exchange_nccl.py \

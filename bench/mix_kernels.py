@@ -10,6 +10,8 @@ and the memory roofline: the bandwidth of the in-place single-pass torch kernel 
 roofline_bandwidth), plus lerp_ (one pass, k = 1) as a named baseline.
 GB/s counts the minimum bytes an op must move (read x and every neighbour once, write x once).
 mix_adam_ is compared with torch.optim.AdamW (foreach on CPU, fused on CUDA) followed by the same mix.
+The 8-bit wire's mixes (neighbour "int8": the payloads dequantized inside the kernel) are compared with the two-pass
+way, int8_dequantize_add_ then the op (see bench_int8_mix).
 
 The CPU loops run with the best instruction set the CPU has (the header line names it and torch's); run with
 DECENT_COMM_CPU_ISA=baseline to time the x86-64 baseline loops against the same torch kernels.
@@ -197,6 +199,61 @@ def bench_adam(device, sizes, ks, repeats):
     return rows
 
 
+def bench_int8_mix(device, sizes, ks, repeats):
+    """The 8-bit wire's mixes with the payloads dequantized inside the kernel (ops' copies=/payloads=): the AWC step
+    (mix_adam_ over k neighbours' public copies and this rank's own copy) and the ATC mix (gossip_mix_), against the
+    two-pass way (int8_dequantize_add_ of each copy, then the same op reading the copies back), at the roofline of
+    their bytes: x, grad, m, v as mix_adam_; each copy read and written (8 B), its levels (1 B) and scales; the own
+    copy read (4 B). No torch kernel has that stream shape, so the roofline is the best of copy_/add_/addcmul_."""
+    rows = []
+    for n in sizes:
+        srcs = [torch.randn(n, device=device) for _ in range(2)]
+        x_copy = torch.randn(n, device=device)
+        for k in ks:
+            x, g = torch.randn(n, device=device), torch.randn(n, device=device)
+            m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+            copies = [torch.randn(n, device=device) for _ in range(k)]
+            own = torch.randn(n, device=device)
+            payloads = []
+            for _ in range(k):
+                p = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device=device)
+                ops.int8_encode_(torch.randn(n, device=device) * 1e-6, torch.zeros(n, device=device), p)
+                payloads.append(p)
+            ws = [0.5 / k] * k + [-0.5]  # as_correction's weights: the copies, then minus their sum on the own copy
+            wire_bytes = n * 9 * k + 4 * k * (-(-n // 512)) + n * 4  # copies r+w, levels, scales; own copy read
+
+            def adam_fused():
+                ops.mix_adam_(x, [own], 1.0, ws, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, copies=copies,
+                              payloads=payloads)
+
+            def adam_two_pass():
+                for c, p in zip(copies, payloads):
+                    ops.int8_dequantize_add_(c, p)
+                ops.mix_adam_(x, copies + [own], 1.0, ws, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+
+            def mix_fused():
+                ops.gossip_mix_(x, [own], 1.0, ws, copies=copies, payloads=payloads)
+
+            def mix_two_pass():
+                for c, p in zip(copies, payloads):
+                    ops.int8_dequantize_add_(c, p)
+                ops.gossip_mix_(x, copies + [own], 1.0, ws)
+
+            for op, fused, two_pass, base_bytes in (("mix_adam_", adam_fused, adam_two_pass, n * 4 * 7),
+                                                    ("gossip_mix_", mix_fused, mix_two_pass, n * 4 * 2)):
+                t = time_all(device, {"ours": fused, "decode+mix": two_pass, **roofline_kernels(x_copy, srcs)},
+                             repeats)
+                copy_bw = roofline_bandwidth(n, t, reads=0, writes=0)  # no same-shape kernel: the best of the three
+                gbs = (base_bytes + wire_bytes) / t["ours"] / 1e9
+                rows.append(dict(
+                    op=op, n=n, k=k, nb_dtype="int8", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
+                    pct_roofline=100 * gbs / (copy_bw / 1e9),
+                    speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
+                ))
+                print(format_row(rows[-1]), flush=True)
+    return rows
+
+
 def format_row(r):
     sp = "  ".join(f"{name} {s:.2f}x" for name, s in r["speedup"].items())
     return (f"| {r['op']:<12} | {r['n'] / 2**20:>5.0f}M | {r['k']} | {r['nb_dtype']:<8} | {r['gbps']:6.2f} | "
@@ -211,6 +268,7 @@ def main():
     ap.add_argument("--sizes", default=None, help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
+    ap.add_argument("--only", default=None, help="comma-separated parts to run: mix,adam,int8 (default: all)")
     ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
@@ -236,8 +294,12 @@ def main():
         print(f"\nthreads {torch.get_num_threads()}")
         print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
         print("|--------------|-------|---|----------|--------|----------|----------------------|")
-        part = bench_mix(args.device, sizes, ks, nb_dtypes, repeats)
-        part += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+        only = set(args.only.split(",")) if args.only else {"mix", "adam", "int8"}
+        part = bench_mix(args.device, sizes, ks, nb_dtypes, repeats) if "mix" in only else []
+        if "adam" in only:
+            part += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+        if "int8" in only:
+            part += bench_int8_mix(args.device, sizes, [1] if args.quick else [1, 2], repeats)
         for r in part:
             r["threads"] = torch.get_num_threads()
         rows += part

@@ -56,36 +56,89 @@ bool readable_now(const at::Tensor& t) { return t.is_cpu(); }
 
 }  // namespace
 
-OpCall::OpCall(const char* op, const at::Tensor& x, at::TensorList neighbors, double self_weight,
-               at::ArrayRef<double> weights)
-    : op_(op), x_(x), float64_math_(x.defined() && x.scalar_type() == at::kDouble) {
+OpCall::OpCall(const char* op, const at::Tensor& x, at::TensorList copies, at::TensorList neighbors,
+               double self_weight, at::ArrayRef<double> weights)
+    : op_(op), x_(x), num_copies_(copies.size()), float64_math_(x.defined() && x.scalar_type() == at::kDouble) {
   TORCH_CHECK(x.defined(), op, ": x is undefined");
   TORCH_CHECK(x.dim() == 1, op, ": x must be a 1-D flat buffer, got shape ", x.sym_sizes());
   TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
   TORCH_CHECK(supported_storage(x), op, ": x has unsupported dtype ", x.scalar_type(), " on ", x.device(),
               " (supported: float32, bfloat16, float16", x.is_cuda() ? "" : ", float64", ")");
-  TORCH_CHECK(neighbors.size() == weights.size(), op, ": got ", neighbors.size(), " neighbors but ",
-              weights.size(), " weights (len(weights) must equal len(neighbors))");
-  TORCH_CHECK(int64_t(neighbors.size()) <= kMaxNeighbors, op, ": got ", neighbors.size(),
-              " neighbors; at most ", kMaxNeighbors, " are supported per call (split the mix into two calls)");
+  const size_t total = copies.size() + neighbors.size();
+  TORCH_CHECK(total == weights.size(), op, ": got ", copies.size(), " copies and ", neighbors.size(),
+              " neighbors but ", weights.size(), " weights (len(weights) must equal len(copies) + len(neighbors))");
+  TORCH_CHECK(int64_t(total) <= kMaxNeighbors, op, ": got ", total, " neighbors and copies; at most ", kMaxNeighbors,
+              " are supported per call (split the mix into two calls)");
   ops_.numel = x.is_meta() ? 0 : x.numel();
   ops_.x = raw_ptr(x);
   ops_.x_dtype = to_dtype(x.scalar_type());
   ops_.self_weight = finite("self_weight", self_weight);
-  ops_.num_neighbors = int(neighbors.size());
+  ops_.num_neighbors = int(total);
   outputs_.emplace_back("x", &x);
-  for (size_t j = 0; j < neighbors.size(); ++j) {
-    const std::string name = "neighbors[" + std::to_string(j) + "]";
-    const at::Tensor& y = neighbors[j];
+  // The kernels see one list: the copies, then the neighbours, all of one dtype.
+  for (size_t j = 0; j < total; ++j) {
+    const bool is_copy = j < copies.size();
+    const at::Tensor& y = is_copy ? copies[j] : neighbors[j - copies.size()];
+    const std::string name = is_copy ? "copies[" + std::to_string(j) + "]"
+                                     : "neighbors[" + std::to_string(j - copies.size()) + "]";
     check_flat(name, y);
     TORCH_CHECK(supported_storage(y), op, ": ", name, " has unsupported dtype ", y.scalar_type());
-    TORCH_CHECK(y.scalar_type() == neighbors[0].scalar_type(), op, ": ", name, " has dtype ", y.scalar_type(),
-                " but neighbors[0] has ", neighbors[0].scalar_type(), " (all neighbors must share one dtype)");
+    if (!copies.empty()) {
+      TORCH_CHECK(y.scalar_type() == at::kFloat, op, ": ", name, " has dtype ", y.scalar_type(), "; with copies "
+                  "(the 8-bit wire's float32 public copies) every neighbor must be float32 too");
+    }
+    const at::Tensor& first = is_copy ? copies[0] : neighbors[0];
+    TORCH_CHECK(y.scalar_type() == first.scalar_type(), op, ": ", name, " has dtype ", y.scalar_type(),
+                " but neighbors[0] has ", first.scalar_type(), " (all neighbors must share one dtype)");
     ops_.neighbors[j] = raw_ptr(y);
     ops_.weights[j] = finite(("weights[" + std::to_string(j) + "]").c_str(), weights[j]);
-    inputs_.emplace_back(name, &y);
+    // A copy is written (after its dequantization), a neighbour only read.
+    if (is_copy) {
+      outputs_.emplace_back(name, &y);
+    } else {
+      inputs_.emplace_back(name, &y);
+    }
   }
-  if (!neighbors.empty()) ops_.neighbor_dtype = to_dtype(neighbors[0].scalar_type());
+  if (total > 0) ops_.neighbor_dtype = to_dtype((copies.empty() ? neighbors[0] : copies[0]).scalar_type());
+}
+
+void OpCall::set_payloads(at::TensorList payloads, int64_t offset, int64_t block) {
+  TORCH_CHECK(payloads.size() == num_copies_, op_, ": got ", num_copies_, " copies but ", payloads.size(),
+              " payloads (one payload per copy)");
+  if (payloads.empty()) return;
+  TORCH_CHECK(block >= 4 && block <= 8192 && block % 4 == 0, op_, ": payload_block must be a multiple of 4 in "
+              "[4, 8192] (int8_encode_'s block), got ", block);
+  TORCH_CHECK(offset >= 0, op_, ": payload_offset must be >= 0, got ", offset);
+  // The CUDA kernels index payloads in 32 bits (2^31 elements: an 8 GiB float32 bucket).
+  TORCH_CHECK(offset + x_.sym_numel() < (int64_t(1) << 31), op_, ": payload_offset + len(x) = ",
+              offset + x_.sym_numel(), " is 2^31 or more; split the bucket (payloads address fewer elements)");
+  ops_.payloads.count = int(payloads.size());
+  ops_.payloads.offset = offset;
+  ops_.payloads.block = block;
+  for (size_t j = 0; j < payloads.size(); ++j) {
+    const std::string name = "payloads[" + std::to_string(j) + "]";
+    const at::Tensor& p = payloads[j];
+    TORCH_CHECK(p.defined(), op_, ": ", name, " is undefined");
+    TORCH_CHECK(p.dim() == 1 && p.is_contiguous(), op_, ": ", name, " must be a contiguous 1-D buffer, got shape ",
+                p.sym_sizes());
+    TORCH_CHECK(p.scalar_type() == at::kByte, op_, ": ", name, " must be uint8 (int8_encode_'s raw bytes), got ",
+                p.scalar_type());
+    TORCH_CHECK(p.device() == x_.device(), op_, ": ", name, " is on ", p.device(), " but x is on ", x_.device());
+    // int8_encode_'s layout: blocks * block levels, then blocks float32 scales.
+    const c10::SymInt bytes = p.sym_numel();
+    TORCH_CHECK(bytes % (block + 4) == 0, op_, ": ", name, " has ", bytes, " bytes, which is no whole number of "
+                "blocks of ", block, " levels and a float32 scale (int8_payload_nbytes)");
+    const c10::SymInt blocks = bytes / (block + 4);
+    TORCH_CHECK(offset + x_.sym_numel() <= blocks * block, op_, ": ", name, " holds ", blocks * block,
+                " elements, fewer than payload_offset + len(x) = ", offset + x_.sym_numel());
+    scalars_.emplace_back(name, &p);
+    if (x_.is_meta()) continue;
+    const auto* bytes_ptr = static_cast<const uint8_t*>(p.data_ptr());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(bytes_ptr) % 4 == 0, op_, ": ", name, " must start 4-byte aligned (its "
+                "float32 scales follow the levels); pass the whole payload, not an odd view");
+    ops_.payloads.levels[j] = reinterpret_cast<const int8_t*>(bytes_ptr) + offset;
+    ops_.payloads.scales[j] = reinterpret_cast<const float*>(bytes_ptr + p.numel() / (block + 4) * block);
+  }
 }
 
 // One flat operand against x: 1-D, contiguous, same length and device. `what` names it in errors.

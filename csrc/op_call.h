@@ -21,9 +21,14 @@ using Named = std::pair<std::string, const at::Tensor*>;
 
 class OpCall {
  public:
-  // Checks x, the neighbours and the mixing weights.
-  OpCall(const char* op, const at::Tensor& x, at::TensorList neighbors, double self_weight,
+  // Checks x, the neighbours and the mixing weights. `copies` (the 8-bit wire's public copies, float32, written by
+  // set_payloads' dequantization) are mixed first, with weights[0, len(copies)), then the neighbours.
+  OpCall(const char* op, const at::Tensor& x, at::TensorList copies, at::TensorList neighbors, double self_weight,
          at::ArrayRef<double> weights);
+
+  // One payload per copy (uint8, int8_encode_'s layout, `block` elements per scale); x's element i is the payload's
+  // element offset + i. Dequantized into the copies inside the op (PayloadOperands).
+  void set_payloads(at::TensorList payloads, int64_t offset, int64_t block);
 
   void set_grad(const at::Tensor& grad);
   // The op's float32 state buffers, in the order the update reads them (o.state[0], [1], ...).
@@ -54,6 +59,7 @@ class OpCall {
 
   const char* op_;
   const at::Tensor& x_;
+  size_t num_copies_ = 0;
   bool float64_math_;
   bool has_device_step_ = false;  // state_step given (the pointer alone is null for fake tensors)
   FusedOperands ops_;

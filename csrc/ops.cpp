@@ -38,9 +38,16 @@ HyperParams adam_hyper(const OpCall& c, int64_t step, int64_t accum_steps, doubl
 
 // ---- op implementations (one function per op serves CPU, CUDA and Meta) ----
 
+// The optional tensor lists of the schemas (copies, payloads): None is the empty list.
+using OptionalTensors = std::optional<at::TensorList>;
+at::TensorList list(const OptionalTensors& t) { return t.has_value() ? *t : at::TensorList(); }
+
 void gossip_mix_impl(const at::Tensor& x, at::TensorList neighbors, double self_weight,
-                     at::ArrayRef<double> weights, const std::optional<at::Tensor>& disagreement) {
-  OpCall c("decent_comm.gossip_mix_", x, neighbors, self_weight, weights);
+                     at::ArrayRef<double> weights, const std::optional<at::Tensor>& disagreement,
+                     const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+                     int64_t payload_block) {
+  OpCall c("decent_comm.gossip_mix_", x, list(copies), neighbors, self_weight, weights);
+  c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_disagreement(disagreement);
   c.run(UpdateKind::Mix, HyperParams{});
 }
@@ -50,8 +57,11 @@ void mix_sgd_impl(const at::Tensor& x, at::TensorList neighbors, double self_wei
                   const std::optional<at::Tensor>& momentum_buffer, double lr, double momentum,
                   double dampening, double weight_decay, bool nesterov, bool first_step,
                   const std::optional<at::Tensor>& disagreement, const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step) {
-  OpCall c("decent_comm.mix_sgd_", x, neighbors, self_weight, weights);
+                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step,
+    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+    int64_t payload_block) {
+  OpCall c("decent_comm.mix_sgd_", x, list(copies), neighbors, self_weight, weights);
+  c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);
   HyperParams hp;
   hp.lr = c.nonnegative("lr", lr);
@@ -80,8 +90,11 @@ void mix_adam_impl(const at::Tensor& x, at::TensorList neighbors, double self_we
                    const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
                    double eps, double weight_decay, bool decoupled,
                    const std::optional<at::Tensor>& disagreement, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step) {
-  OpCall c("decent_comm.mix_adam_", x, neighbors, self_weight, weights);
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step,
+    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+    int64_t payload_block) {
+  OpCall c("decent_comm.mix_adam_", x, list(copies), neighbors, self_weight, weights);
+  c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);
   c.set_state({{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
   c.set_disagreement(disagreement);
@@ -95,8 +108,11 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
                          int64_t accum_steps, double lr, double beta1, double beta2, double eps,
                          double weight_decay, bool decoupled, const std::optional<at::Tensor>& disagreement,
                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                         const std::optional<at::Tensor>& state_step) {
-  OpCall c("decent_comm.mix_accum_adam_", x, neighbors, self_weight, weights);
+                         const std::optional<at::Tensor>& state_step,
+    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+    int64_t payload_block) {
+  OpCall c("decent_comm.mix_accum_adam_", x, list(copies), neighbors, self_weight, weights);
+  c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);
   c.set_state({{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"accum", &accum}});
   c.set_disagreement(disagreement);
@@ -113,23 +129,27 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
 TORCH_LIBRARY(decent_comm, m) {
   m.def(
       "gossip_mix_(Tensor(a!) x, Tensor[] neighbors, float self_weight, float[] weights, "
-      "Tensor(b!)? disagreement=None) -> ()");
+      "Tensor(b!)? disagreement=None, "
+      "Tensor(c!)[]? copies=None, Tensor[]? payloads=None, int payload_offset=0, int payload_block=512) -> ()");
   m.def(
       "mix_sgd_(Tensor(a!) x, Tensor[] neighbors, float self_weight, float[] weights, Tensor grad, "
       "Tensor(b!)? momentum_buffer, float lr, float momentum, float dampening, float weight_decay, "
       "bool nesterov, bool first_step, Tensor(c!)? disagreement=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None, Tensor(d!)? state_step=None) -> ()");
+      "Tensor? found_inf=None, Tensor(d!)? state_step=None, "
+      "Tensor(e!)[]? copies=None, Tensor[]? payloads=None, int payload_offset=0, int payload_block=512) -> ()");
   m.def(
       "mix_adam_(Tensor(a!) x, Tensor[] neighbors, float self_weight, float[] weights, Tensor grad, "
       "Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool decoupled, Tensor(d!)? disagreement=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None, Tensor(e!)? state_step=None) -> ()");
+      "Tensor? found_inf=None, Tensor(e!)? state_step=None, "
+      "Tensor(f!)[]? copies=None, Tensor[]? payloads=None, int payload_offset=0, int payload_block=512) -> ()");
   m.def(
       "mix_accum_adam_(Tensor(a!) x, Tensor[] neighbors, float self_weight, float[] weights, Tensor grad, "
       "Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!) accum, int step, int accum_steps, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
       "Tensor(e!)? disagreement=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor(f!)? state_step=None) -> ()");
+      "Tensor(f!)? state_step=None, "
+      "Tensor(g!)[]? copies=None, Tensor[]? payloads=None, int payload_offset=0, int payload_block=512) -> ()");
 }
 
 #define DECENT_COMM_REGISTER_IMPLS(m)                  \

@@ -15,6 +15,15 @@ float32); step < 1, accum_steps < 1; and, while autograd is recording, any opera
 have no derivative). Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept
 Parameters there; every written tensor's version counter is bumped, as torch's in-place ops do.
 
+The 8-bit wire dequantized inside the mix (every op, keyword-only): ``copies`` (float32 flat buffers, the public
+copies of decent_comm.optim.int8_wire) and ``payloads`` (one int8_encode_ payload per copy, whole, uint8) with
+``payload_offset`` (the payload element that x[0] corresponds to: a slice of a bucket passes its start) and
+``payload_block``. In the same pass over memory, each copy is first advanced by its payload, exactly as
+``int8_dequantize_add_`` would (copy[i] += level[offset + i] * scale, each rounded to float32: the sender's copy and
+this one keep the same bits), then mixed: the copies take weights[0:len(copies)], the neighbours the rest, in
+that order. All neighbours are then float32. The copies are written, so they may not share memory with x, the
+state or each other.
+
 Mixed precision without host synchronization (the optimizer ops, keyword-only, all optional, each a 1-element
 tensor on x's device):
 
@@ -77,15 +86,28 @@ def _weights(weights: Sequence[float]):
     return [float(w) for w in weights]
 
 
+def _wire(copies, payloads, payload_offset, payload_block):
+    """The schema's copies, payloads, payload_offset, payload_block."""
+    if (copies is None) != (payloads is None):
+        raise ValueError("pass copies and payloads together (one payload per copy), or neither")
+    if copies is None:
+        return None, None, 0, 512
+    return (list(copies), list(payloads), _int64("payload_offset", payload_offset),
+            _int64("payload_block", payload_block))
+
+
 def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight: float,
-                weights: Sequence[float], disagreement: Optional[torch.Tensor] = None) -> None:
-    """x <- self_weight * x + sum_j weights[j] * neighbors[j]."""
-    _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement)
+                weights: Sequence[float], disagreement: Optional[torch.Tensor] = None, *, copies=None, payloads=None,
+                payload_offset: int = 0, payload_block: int = 512) -> None:
+    """x <- self_weight * x + sum_j weights[j] * neighbors[j] (with copies: see the module doc)."""
+    _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement,
+                     *_wire(copies, payloads, payload_offset, payload_block))
 
 
 def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, momentum=0.0, dampening=0.0,
              weight_decay=0.0, nesterov=False, first_step=False, disagreement=None, *, grad_scale=None,
-             found_inf=None, state_step=None) -> None:
+             found_inf=None, state_step=None, copies=None,
+             payloads=None, payload_offset=0, payload_block=512) -> None:
     """Gossip mix fused with a torch.optim.SGD step whose direction is computed at x_old (AWC):
 
     g' = g + weight_decay * x_old; b = momentum * b + (1 - dampening) * g' (b = g' on the first step);
@@ -98,12 +120,14 @@ def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, mome
     """
     _ops.mix_sgd_(x, list(neighbors), float(self_weight), _weights(weights), grad, momentum_buffer,
                   float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                  bool(first_step), disagreement, grad_scale, found_inf, state_step)
+                  bool(first_step), disagreement, grad_scale, found_inf, state_step,
+                  *_wire(copies, payloads, payload_offset, payload_block))
 
 
 def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, step, lr, beta1=0.9,
               beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, disagreement=None, *, grad_scale=None,
-              found_inf=None, state_step=None) -> None:
+              found_inf=None, state_step=None, copies=None,
+              payloads=None, payload_offset=0, payload_block=512) -> None:
     """Gossip mix fused with a torch.optim.Adam (decoupled=False) / AdamW (decoupled=True) step.
 
     ``step`` is the 1-based count after this update, or None with ``state_step``, the device count of the
@@ -113,12 +137,14 @@ def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, ste
     """
     _ops.mix_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
                    _step_args(step, state_step), float(lr), float(beta1), float(beta2), float(eps),
-                   float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step)
+                   float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step,
+                   *_wire(copies, payloads, payload_offset, payload_block))
 
 
 def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, accum, step, accum_steps,
                     lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False,
-                    disagreement=None, *, grad_scale=None, found_inf=None, state_step=None) -> None:
+                    disagreement=None, *, grad_scale=None, found_inf=None, state_step=None, copies=None,
+                    payloads=None, payload_offset=0, payload_block=512) -> None:
     """Gossip mix fused with an AccumAdam(W) step (Wang et al., ICLR 2025).
 
     With K = accum_steps, t the 1-based update number (``step`` as in mix_adam_) and k = ceil(t / K):
@@ -130,7 +156,8 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
     _ops.mix_accum_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
                          accum, _step_args(step, state_step), _int64("accum_steps", accum_steps), float(lr),
                          float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
-                         grad_scale, found_inf, state_step)
+                         grad_scale, found_inf, state_step,
+                         *_wire(copies, payloads, payload_offset, payload_block))
 
 
 def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = 512) -> None:

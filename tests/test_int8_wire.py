@@ -109,7 +109,14 @@ def _copies_and_bytes(rank, n, mode, delayed):
     opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="one-peer-exp", mode=mode, model=model,
                              comm_dtype=torch.int8, delayed_mix=delayed, gossip_every=2 if delayed else 1,
                              timeout=30)
-    train_steps(rank, model, opt, 7)
+    separate = []  # the separate decode pass: the steps must leave it to the mix kernels
+    real = W8.dequantize_add_
+    W8.dequantize_add_ = lambda *a: (separate.append(1), real(*a))
+    try:
+        train_steps(rank, model, opt, 7)
+    finally:
+        W8.dequantize_add_ = real
+    assert not separate, f"{len(separate)} payloads decoded outside the mix kernels"
     sd = opt.state_dict()  # decodes the round in flight: both ends of every edge agree now
     copies = {k: v.clone() for k, v in opt._buckets[0].state.items() if k.startswith(W8.PREFIX)}
     named = {k for st in sd["state"].values() for k in st if k.startswith(W8.PREFIX)}

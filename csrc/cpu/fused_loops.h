@@ -18,8 +18,10 @@
 #include <algorithm>
 #include <functional>
 #include <stdexcept>
+#include <type_traits>
 
 #include "../kernels/fused_launch.h"
+#include "../kernels/int8_codec_math.h"
 #include "cpu_isa.h"
 
 namespace decent_comm {
@@ -87,8 +89,9 @@ struct LoopContext {
   Typed<XD, ND> t;
   Hyper<M> h;
   bool want_disagreement;
+  PayloadOperands payloads;
   LoopContext(const FusedOperands& o, const HyperParams& hp)
-      : t(o), h(hp), want_disagreement(o.disagreement != nullptr) {}
+      : t(o), h(hp), want_disagreement(o.disagreement != nullptr), payloads(o.payloads) {}
 };
 
 // One pass per element with a compile-time neighbour count: the common case (one-peer, ring, exp
@@ -188,10 +191,66 @@ struct Blocked {
   }
 };
 
+// The 8-bit wire's payloads dequantized inside the mix (PayloadOperands): any loop above, run span by span, each span
+// preceded by the advance of the public copies over it. A span is 64 KiB of each copy, so the loop reads the new
+// values back from L2, and memory sees every copy once (read and written) and every level once, as the separate
+// decode pass alone would. The element math is the codec's (int8_dequantize_add): the copies get the bits
+// int8_dequantize_add_ gives them, and the mix reads the same values as after that op. Span length, measured on
+// the AVX2 EPYC (bench/mix_kernels.py, 16M elements, one thread, % of the roofline of the op's bytes): 512-8192
+// elements 80-93% (every switch between the two loops restarts the hardware prefetchers of the other's streams;
+// software prefetching the next span did worse), 16384-131072 91-101%.
+constexpr int64_t kDequantizeSpan = 16384;
+
+template <typename Inner, DType XD>
+struct Dequantizing {
+  using Result = typename Inner::Result;
+  static DC_ALWAYS_INLINE Result run(const void* ctx, int64_t begin, int64_t end) {
+    const auto& c = *static_cast<const LoopContext<XD, DType::Float32>*>(ctx);
+    [[maybe_unused]] double sum = 0.0;
+    for (int64_t s0 = begin; s0 < end; s0 += kDequantizeSpan) {
+      const int64_t s1 = std::min(end, s0 + kDequantizeSpan);
+      for (int j = 0; j < c.payloads.count; ++j) advance_copy(c, j, s0, s1);
+      if constexpr (std::is_void_v<Result>) {
+        Inner::run(ctx, s0, s1);
+      } else {
+        sum += Inner::run(ctx, s0, s1);
+      }
+    }
+    if constexpr (!std::is_void_v<Result>) return sum;
+  }
+
+  // copy j += deq(payload j) over [s0, s1), codec block by codec block (one scale each).
+  static DC_ALWAYS_INLINE void advance_copy(const LoopContext<XD, DType::Float32>& c, int j, int64_t s0, int64_t s1) {
+    const PayloadOperands& p = c.payloads;
+    // The copies are neighbours, held const by the loops; OpCall registered them as outputs of the op.
+    float* const copy = const_cast<float*>(c.t.neighbors[j]);
+    const int8_t* const levels = p.levels[j];
+    for (int64_t b0 = s0; b0 < s1;) {
+      const int64_t blk = (p.offset + b0) / p.block;
+      const int64_t b1 = std::min(s1, (blk + 1) * p.block - p.offset);
+      const float scale = p.scales[j][blk];
+#pragma GCC ivdep
+      for (int64_t i = b0; i < b1; ++i) copy[i] = int8_dequantize_add(copy[i], float(levels[i]), scale);
+      b0 = b1;
+    }
+  }
+};
+
+// The copy of `Range` for this CPU, dequantizing payloads first when the call has any (float32 neighbours only: the
+// copies are float32, and all neighbours share one dtype).
+template <typename Range, DType XD, DType ND>
+auto pick_loop(const FusedOperands& o) {
+  if constexpr (ND == DType::Float32) {
+    if (o.payloads.count > 0) return pick_range<Dequantizing<Range, XD>>();
+  }
+  if (o.payloads.count > 0) throw std::invalid_argument("decent_comm: payloads need float32 neighbours");
+  return pick_range<Range>();
+}
+
 template <DType XD, DType ND, typename Update, int K>
 void run_single_pass(const FusedOperands& o, const HyperParams& hp) {
   const LoopContext<XD, ND> ctx(o, hp);
-  const auto loop = pick_range<SinglePass<XD, ND, Update, K>>();
+  const auto loop = pick_loop<SinglePass<XD, ND, Update, K>, XD, ND>(o);
   at::parallel_for(0, o.numel, kGrain, [&](int64_t begin, int64_t end) { loop(&ctx, begin, end); });
 }
 
@@ -199,7 +258,7 @@ void run_single_pass(const FusedOperands& o, const HyperParams& hp) {
 template <typename Range, DType XD, DType ND>
 void run_reduced(const FusedOperands& o, const HyperParams& hp) {
   const LoopContext<XD, ND> ctx(o, hp);
-  const auto loop = pick_range<Range>();
+  const auto loop = pick_loop<Range, XD, ND>(o);
   const double disagreement = at::parallel_reduce(
       0, o.numel, kGrain, 0.0,
       [&](int64_t begin, int64_t end, double partial) { return partial + loop(&ctx, begin, end); },

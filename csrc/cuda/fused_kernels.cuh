@@ -8,7 +8,8 @@
 // last numel % VEC elements are done one by one by the same kernel. When any pointer is not aligned to
 // its vector width (e.g. a view at an odd storage offset) the launcher picks the VEC = 1 instantiation.
 // Neighbour counts 1 and 2 (one-peer and ring topologies) are compile-time constants so the loop over
-// neighbours unrolls; other counts use a runtime loop. The grid is one wave of resident blocks, sized from the
+// neighbours unrolls; other counts use a runtime loop. The 8-bit wire's mixes (PayloadOperands: the first neighbours
+// are public copies advanced by their payloads in the same pass) have kernels of their own (kWire). The grid is one wave of resident blocks, sized from the
 // occupancy of each kernel variant on x's device.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include <cstdint>
 
 #include "../kernels/fused_launch.h"
+#include "../kernels/int8_codec_math.h"
 
 namespace decent_comm {
 namespace cuda_kernels {
@@ -72,6 +74,7 @@ struct KernelArgs {
   float* disagreement;
   const ResolvedUpdate* resolved;  // optimizer ops with device scalars: the hyper-parameters to use, else null
   bool run_if_skipped;             // with `resolved`: run only when found_inf skips the update (else only when not)
+  PayloadOperands payloads;        // the 8-bit wire: neighbours [0, payloads.count) are copies to advance first
 };
 
 // Which resolved call a launch serves, and on which outcome of found_inf it runs.
@@ -80,8 +83,24 @@ struct Gate {
   bool run_if_skipped = false;
 };
 
+// The 8-bit wire: advances W consecutive elements of public copy j (a float32 neighbour) by its payload, in place,
+// with the codec's own operation (int8_dequantize_add: unfused, so the copy keeps the sender's bits). With W > 1 the
+// launcher has checked that the W elements share one codec block and that the levels are W-byte aligned.
+template <int W>
+__device__ __forceinline__ void advance_copy(const KernelArgs& a, int j, int64_t base, Vec<float, W>& yv) {
+  const PayloadOperands& p = a.payloads;
+  const Vec<int8_t, W> lv = load_vec<int8_t, W>(p.levels[j] + base);
+  // 32-bit division (OpCall keeps payload indices below 2^31): the 64-bit one is a called routine that made ptxas
+  // spill in some variants.
+  const float scale = p.scales[j][uint32_t(p.offset + base) / uint32_t(p.block)];
+#pragma unroll
+  for (int e = 0; e < W; ++e) yv.v[e] = int8_dequantize_add(yv.v[e], float(lv.v[e]), scale);
+  // The copies travel as const neighbours; OpCall registered them as outputs of the op.
+  store_vec<float, W>(const_cast<float*>(static_cast<const float*>(a.neighbors[j])) + base, yv);
+}
+
 // Processes W consecutive elements starting at `base`; returns sum((mixed - x_old)^2) over them.
-template <DType XD, DType ND, int K, int W, typename Update>
+template <DType XD, DType ND, int K, int W, typename Update, bool kWire>
 __device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>& h, int64_t base) {
   using XS = GpuStorage<XD>;
   using NS = GpuStorage<ND>;
@@ -98,7 +117,10 @@ __device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>
   const int k = K >= 0 ? K : a.num_neighbors;
 #pragma unroll 4
   for (int j = 0; j < k; ++j) {
-    const Vec<NT, W> yv = load_vec<NT, W>(static_cast<const NT*>(a.neighbors[j]) + base);
+    Vec<NT, W> yv = load_vec<NT, W>(static_cast<const NT*>(a.neighbors[j]) + base);
+    if constexpr (kWire) {
+      if (j < a.payloads.count) advance_copy<W>(a, j, base, yv);  // the same branch for every thread
+    }
     const float w = a.weights[j];
 #pragma unroll
     for (int e = 0; e < W; ++e) mixed[e] += w * NS::load(yv.v[e]);
@@ -132,15 +154,15 @@ __device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>
 
 // The grid-stride loop over the whole buffer: VEC elements per item, then the tail one by one. Returns this thread's
 // share of sum((mixed - x_old)^2).
-template <DType XD, DType ND, int K, int VEC, typename Update>
+template <DType XD, DType ND, int K, int VEC, typename Update, bool kWire>
 __device__ __forceinline__ float grid_stride(const KernelArgs& a, const Hyper<float>& h) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t num_vec = a.numel / VEC;
   float sq = 0.f;
-  for (int64_t v = tid; v < num_vec; v += stride) sq += process<XD, ND, K, VEC, Update>(a, h, v * VEC);
+  for (int64_t v = tid; v < num_vec; v += stride) sq += process<XD, ND, K, VEC, Update, kWire>(a, h, v * VEC);
   if (VEC > 1) {
-    for (int64_t i = num_vec * VEC + tid; i < a.numel; i += stride) sq += process<XD, ND, K, 1, Update>(a, h, i);
+    for (int64_t i = num_vec * VEC + tid; i < a.numel; i += stride) sq += process<XD, ND, K, 1, Update, kWire>(a, h, i);
   }
   return sq;
 }
@@ -151,7 +173,7 @@ __device__ __forceinline__ float grid_stride(const KernelArgs& a, const Hyper<fl
 // mix-only kernel, gated to run when found_inf skips it (its whole grid exits at once otherwise). Every variant
 // keeps one loop and one hyper-parameter source: a second copy of the loop, or a run-time choice of source, made
 // ptxas spill or raised the registers (and lowered the occupancy) of the plain kernels.
-template <DType XD, DType ND, int K, int VEC, typename Update, bool kResolved>
+template <DType XD, DType ND, int K, int VEC, typename Update, bool kResolved, bool kWire>
 __global__ void __launch_bounds__(kThreads)
     fused_mix_kernel(const __grid_constant__ KernelArgs a, const __grid_constant__ Hyper<float> host_hyper) {
   float sq;
@@ -159,9 +181,9 @@ __global__ void __launch_bounds__(kThreads)
     // The same for every thread, so whole blocks exit.
     if (bool(a.resolved->skip) != a.run_if_skipped) return;
     // Read in place (L1-resident): a register copy of the whole struct made ptxas spill in some variants.
-    sq = grid_stride<XD, ND, K, VEC, Update>(a, a.resolved->hyper);
+    sq = grid_stride<XD, ND, K, VEC, Update, kWire>(a, a.resolved->hyper);
   } else {
-    sq = grid_stride<XD, ND, K, VEC, Update>(a, host_hyper);
+    sq = grid_stride<XD, ND, K, VEC, Update, kWire>(a, host_hyper);
   }
   if (a.disagreement != nullptr) {
     // Block reduction: warp shuffles, then one partial per warp in shared memory, one atomic per block.
@@ -206,10 +228,10 @@ inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintp
 // One wave of resident blocks: as many as the SMs of x's device hold of this kernel variant at kThreads threads
 // (its registers and shared memory decide; cached per variant and device), fewer when the buffer is small. The
 // grid-stride loop covers the rest.
-template <DType XD, DType ND, int K, int VEC, typename Update, bool kResolved>
+template <DType XD, DType ND, int K, int VEC, typename Update, bool kResolved, bool kWire = false>
 int launch(const KernelArgs& a, const Hyper<float>& h, int device, cudaStream_t stream) {
   static std::atomic<int> per_sm_cache[kCachedDevices];
-  const auto kernel = fused_mix_kernel<XD, ND, K, VEC, Update, kResolved>;
+  const auto kernel = fused_mix_kernel<XD, ND, K, VEC, Update, kResolved, kWire>;
   int per_sm = 0, sms = 0;
   // The occupancy query is about the current device, which the caller's guard set to `device`.
   cudaError_t err = cached(per_sm_cache, device, &per_sm, [kernel](int* n) {
@@ -241,6 +263,7 @@ int launch_typed(const FusedOperands& o, const HyperParams& hp, Gate gate, int d
   a.disagreement = o.disagreement;
   a.resolved = gate.resolved;
   a.run_if_skipped = gate.run_if_skipped;
+  a.payloads = o.payloads;
   const Hyper<float> h(hp);
 
   constexpr int VEC = 16 / sizeof(typename GpuStorage<XD>::type);
@@ -248,6 +271,20 @@ int launch_typed(const FusedOperands& o, const HyperParams& hp, Gate gate, int d
   for (int j = 0; j < o.num_neighbors; ++j)
     vec_ok = vec_ok && aligned(o.neighbors[j], VEC * sizeof(typename GpuStorage<ND>::type));
   for (int q = 0; q < Update::kNumState; ++q) vec_ok = vec_ok && aligned(o.state[q], VEC * sizeof(float));
+  if (o.payloads.count > 0) {
+    // The 8-bit wire's kernels are separate instantiations with a run-time neighbour count, so the others keep their
+    // registers (the dequantization compiled into every kernel raised some past the 64 registers that hold 4 blocks
+    // of 256 threads per SM).
+    if constexpr (ND != DType::Float32) {
+      return int(cudaErrorInvalidValue);  // the copies are float32, and so every neighbour (OpCall checks it)
+    } else {
+      // A vector of VEC elements must lie in one codec block (one scale), and its levels be one aligned load.
+      bool wire_vec = vec_ok && o.payloads.offset % VEC == 0 && o.payloads.block % VEC == 0;
+      for (int j = 0; j < o.payloads.count; ++j) wire_vec = wire_vec && aligned(o.payloads.levels[j], VEC);
+      if (!wire_vec) return launch<XD, ND, -1, 1, Update, kResolved, true>(a, h, device, stream);
+      return launch<XD, ND, -1, VEC, Update, kResolved, true>(a, h, device, stream);
+    }
+  }
   if (!vec_ok) return launch<XD, ND, -1, 1, Update, kResolved>(a, h, device, stream);
   switch (o.num_neighbors) {
     case 1: return launch<XD, ND, 1, VEC, Update, kResolved>(a, h, device, stream);

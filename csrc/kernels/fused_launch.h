@@ -7,6 +7,19 @@
 
 namespace decent_comm {
 
+// The 8-bit wire (decent_comm/optim/int8_wire.py) dequantized inside the mix: neighbours [0, count) are float32
+// public copies that the op writes. Element i of copy j first becomes int8_dequantize_add(copy, level, scale) with
+// the level and the scale of element offset + i of payload j (the codec's own operation, so the copy stays
+// bit-identical to the sender's), and that new value is what the mix reads. One pass over memory instead of a decode
+// pass that writes the copies and a mix pass that reads them again.
+struct PayloadOperands {
+  int count = 0;
+  const int8_t* levels[kMaxNeighbors] = {};  // the level of x's element 0: payload j's bytes + offset
+  const float* scales[kMaxNeighbors] = {};   // payload j's scales: element i uses scales[(offset + i) / block]
+  int64_t offset = 0;                         // the payload element x's element 0 corresponds to
+  int64_t block = 1;                          // elements per scale
+};
+
 // Everything a kernel needs to run one op over one flat buffer, as plain pointers (no torch types),
 // shared by the CPU and CUDA launchers.
 struct FusedOperands {
@@ -22,6 +35,7 @@ struct FusedOperands {
   float* state[kMaxState] = {};        // float32 optimizer state
   float* disagreement = nullptr;       // optional: receives sum((mixed - x_old)^2)
   DeviceScalars scalars;               // optional AMP scale / skip flag and device step count
+  PayloadOperands payloads;            // optional: the 8-bit wire's payloads of the first neighbours
 };
 
 // Runs on the calling thread's at::parallel_for pool (respects torch.set_num_threads).

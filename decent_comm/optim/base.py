@@ -27,7 +27,7 @@ from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, co
                       spread_count, zero_grads)
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
-from .plan import Cadence
+from .plan import Cadence, MixInputs
 from .schedule import CORRECTION, MODES, GossipSchedule
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, verify_replicas)
@@ -38,9 +38,10 @@ __all__ = ["DecentralizedMixin", "MODES"]
 
 class DecentralizedMixin(diagnostics.ReplicaWatch):
     """Mixed into a torch.optim.Optimizer subclass. A fused subclass implements `_local_update(bucket, seg_slice,
-    group, step, neighbors, self_weight, weights, disagreement, **device_scalars)`, one fused kernel call over a
-    slice of a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf
-    keywords in device_scalars); ``Decentralized`` overrides `_update_awc` and `_update_local` instead."""
+    group, step, neighbors, self_weight, weights, disagreement, **op_kwargs)`, one fused kernel call over a slice of
+    a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf keywords in
+    op_kwargs, which also carry the 8-bit wire's copies and payloads); ``Decentralized`` overrides `_update_awc` and
+    `_update_local` instead."""
 
     # GradScaler calls step() even on overflow, passing grad_scale / found_inf (decent_comm.optim.amp); the fused
     # kernels read them on the device.
@@ -202,13 +203,14 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         """The fused mix + update of every bucket; ||x^{t+1} - mix(x^t)||^2 when `measure`."""
         step_sq = []
         for b in self._buckets:
-            nbs = self._schedule.received(b, plan)
+            # Measuring mixes twice, so the 8-bit wire's payloads are added to the copies before, not inside.
+            mix = self._schedule.mix_inputs(b, plan, fuse=not measure)
             ref = None
             if measure:  # the mixed point, so that x^{t+1} - ref is the local update alone
                 ref = b.flat.clone()
                 if plan.mixes:
-                    ops.gossip_mix_(ref, nbs, plan.self_weight, plan.weights)
-            self._update_bucket(b, nbs, plan.self_weight, plan.weights, skip_update)
+                    ops.gossip_mix_(ref, mix.neighbors, plan.self_weight, plan.weights)
+            self._update_bucket(b, mix, plan.self_weight, plan.weights, skip_update)
             if measure:
                 step_sq.append(sq_dist(b.flat, ref))
         return sum_scalars(step_sq)
@@ -227,9 +229,9 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
     def _update_local(self, skip_update: bool):
         """The local update alone (ATC's adapt half)."""
         for b in self._buckets:
-            self._update_bucket(b, [], 1.0, [], skip_update)
+            self._update_bucket(b, MixInputs(), 1.0, [], skip_update)
 
-    def _update_bucket(self, b: Bucket, neighbors, self_weight, weights, skip_update: bool):
+    def _update_bucket(self, b: Bucket, neighbors: MixInputs, self_weight, weights, skip_update: bool):
         """One fused call per segment of the bucket: update where gradients exist, plain mix elsewhere. When
         mixing and tracking, segment k's disagreement goes to the bucket's slot k. With the step counts on the
         device the kernel reads and advances the segment's count (and GradScaler's scalars, when this step has
@@ -239,16 +241,16 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         on_device = b.classes is not None
         for k, seg in enumerate(segments(b, b.count_keys)):
             sl = slice(seg.start, seg.stop)
-            nbs = [y[sl] for y in neighbors]
+            nbs, wire = neighbors.at(sl)  # wire: the 8-bit wire's copies and payloads of this segment
             dis = self._schedule.meter.slot(b, k) if mixing else None
             if seg.has_grad and not skip_update:
                 kw = dict(self._amp.op_kwargs() if self._amp else {}, state_step=b.step_count[seg.first:seg.first + 1])
                 self._local_update(b, sl, group, None if on_device else seg.step, nbs, self_weight, weights,
-                                   disagreement=dis, **(kw if on_device else {}))
+                                   disagreement=dis, **(kw if on_device else {}), **wire)
                 if on_device:
                     spread_count(b, seg)
             elif mixing:
-                ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis)
+                ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis, **wire)
         if not skip_update:
             refine_classes(b) if on_device else count_steps(b)
             publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots] if on_device else None)

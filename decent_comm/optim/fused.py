@@ -119,12 +119,12 @@ class DSGD(DecentralizedMixin, torch.optim.Optimizer):
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         momentum = group["momentum"]
         buf = b.state_buffer("momentum_buffer")[sl] if momentum != 0 else None
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
                      group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0,
-                     disagreement=disagreement, **device_scalars)
+                     disagreement=disagreement, **op_kwargs)
 
 
 class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
@@ -145,11 +145,11 @@ class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         beta1, beta2 = group["betas"]
         ops.mix_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
                       b.state_buffer("exp_avg_sq")[sl], _next(step), group["lr"], beta1, beta2, group["eps"],
-                      group["weight_decay"], self._decoupled, disagreement=disagreement, **device_scalars)
+                      group["weight_decay"], self._decoupled, disagreement=disagreement, **op_kwargs)
 
 
 class DAdam(_AdamBase):
@@ -178,12 +178,12 @@ class AccumAdam(_AdamBase):
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq", "accum"]
 
-    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **device_scalars):
+    def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         beta1, beta2 = group["betas"]
         ops.mix_accum_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
                             b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], _next(step),
                             group["accum_steps"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                            self._decoupled, disagreement=disagreement, **device_scalars)
+                            self._decoupled, disagreement=disagreement, **op_kwargs)
 
 
 class AccumAdamW(AccumAdam):

@@ -8,8 +8,9 @@ Each rank keeps public copies, float32, as optimizer state of the bucket:
 A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of BLOCK elements, and
 both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a sender's s and
 its receivers' r stay bit-identical, on any mix of CPUs and GPUs. Encoding and decoding are one pass over memory
-each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_. The mix uses the copies in
-difference form,
+each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_; on the receiving side the mix
+kernel itself adds the payloads to the copies it reads (the ops' ``copies=``/``payloads=``), so a received round
+costs no pass of its own. The mix uses the copies in difference form,
 
     x_i <- x_i + sum_j w_ij r_j - (sum_j w_ij) s_i            (MixPlan.as_correction; AWC: inside the update)
 
@@ -29,6 +30,7 @@ import torch
 
 from .. import ops
 from ..topology import Topology
+from .plan import MixInputs
 
 BLOCK = 512      # elements per scale: 0.8% of the payload is scales
 #: opt.state keys of the public copies start with this
@@ -101,15 +103,20 @@ class Int8Wire:
         self._undecoded.add(b.index)
         return payload
 
-    def decode(self, b, plan, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The copies of the plan's neighbours after adding what they sent (once per exchange: the payloads of
-        the last one launched), then this rank's own copy: the buffers of plan.as_correction, in its order."""
-        names = self._peer_names(plan)
-        if b.index in self._undecoded:
-            for name, payload in zip(names, payloads):
-                dequantize_add_(b.state_buffer(name), payload, self.block)
-            self._undecoded.discard(b.index)
-        return [b.state_buffer(n) for n in names] + [b.state_buffer(self._own_name(plan))]
+    def inputs(self, b, plan, payloads: List[torch.Tensor], fuse: bool) -> MixInputs:
+        """What the mix of bucket b for `plan` reads (plan.as_correction's order): the neighbours' copies, then this
+        rank's own copy. The payloads of the last exchange launched are added to the copies once: by the mix kernel
+        that reads them when `fuse` (returned as MixInputs.copies with their payloads), else here, now."""
+        copies = [b.state_buffer(n) for n in self._peer_names(plan)]
+        own = b.state_buffer(self._own_name(plan))
+        if b.index not in self._undecoded:
+            return MixInputs(copies + [own])
+        self._undecoded.discard(b.index)
+        if fuse:
+            return MixInputs([own], copies, list(payloads), self.block)
+        for copy, payload in zip(copies, payloads):
+            dequantize_add_(copy, payload, self.block)
+        return MixInputs(copies + [own])
 
     def forget(self):
         """A checkpoint was loaded: its copies replace these, and nothing in flight is decoded any more."""

@@ -1,8 +1,9 @@
 """Who this rank mixes with at each step, as data: the topology's row of the step, scaled by the consensus
-factor, and whether the step runs as an all-reduce within averaging groups. No tensor math, no communication.
+factor, and whether the step runs as an all-reduce within averaging groups; and the buffers a mix of one bucket
+reads (MixInputs). No tensor math, no communication.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..topology import Adaptive, Topology, averaging_groups
@@ -52,6 +53,30 @@ class MixPlan:
     def num_buffers(self) -> int:
         """Receive buffers per bucket: one per neighbour, or the group's sum."""
         return 1 if self.group is not None else len(self.recv)
+
+
+@dataclass
+class MixInputs:
+    """The buffers one mix of a bucket reads, in the order of its plan's weights: `copies` first, then `neighbors`.
+    With the 8-bit wire, `copies` are the neighbours' public copies, each still to be advanced by the payload in
+    `payloads` that arrived for it: the fused ops do that in the pass that mixes (decent_comm.ops, ``copies=``), once.
+    Without copies it is a plain list of neighbour buffers."""
+
+    neighbors: List = field(default_factory=list)
+    copies: List = field(default_factory=list)
+    payloads: List = field(default_factory=list)
+    block: int = 512
+
+    def __bool__(self) -> bool:
+        return bool(self.neighbors or self.copies)
+
+    def at(self, sl: slice = slice(0, None)):
+        """(neighbours, op keyword arguments) of the elements `sl` of the bucket (a slice with a step of 1)."""
+        nbs = [y[sl] for y in self.neighbors]
+        if not self.copies:
+            return nbs, {}
+        return nbs, dict(copies=[c[sl] for c in self.copies], payloads=self.payloads, payload_offset=sl.start or 0,
+                         payload_block=self.block)
 
 
 @dataclass(frozen=True)

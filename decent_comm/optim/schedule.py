@@ -31,7 +31,7 @@ from .adaptation import AdaptiveDriver
 from .diagnostics import DisagreementMeter
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
-from .plan import Cadence, GroupSteps, MixPlan, consensus_factor, mix_plan
+from .plan import Cadence, GroupSteps, MixInputs, MixPlan, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
 from .tracing import traced
@@ -192,23 +192,30 @@ class GossipSchedule(ScheduleCheckpoint):
                                f"{when} (check_finite=True; steps count from 0)")
 
     @traced("exchange_wait")
-    def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
-        """Waits for bucket b's exchange of `plan` and returns the buffers to mix (none on a silent step)."""
+    def mix_inputs(self, b, plan: MixPlan, fuse: bool = True) -> MixInputs:
+        """Waits for bucket b's exchange of `plan` and returns what its mix reads (nothing on a silent step). With
+        the 8-bit wire and `fuse`, the payloads that arrived travel along, for the mix kernel to add to the copies
+        it reads (MixInputs.copies), except under check_finite, which looks at the copies before any mix."""
         if self.exchange is not None and not plan.silent and not self._wire_restored:
             self.exchange.wait(b.index)
         bufs = self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
         if plan.correction == "checkpoint":
-            return [b.state[CORRECTION]]
-        out = bufs
+            return MixInputs([b.state[CORRECTION]])
+        mix = MixInputs(bufs)
         if plan.correction == "sent":  # the int8 wire: the neighbours' public copies after what they sent
-            out = self.wire.decode(b, plan, bufs) if self.wire is not None else bufs + [self._sent[b.index]]
+            mix = self.wire.inputs(b, plan, bufs, fuse and not self.check_finite) if self.wire is not None else \
+                MixInputs(bufs + [self._sent[b.index]])
         if self.check_finite:
-            for k, y in enumerate(out[:plan.num_buffers]):
+            for k, y in enumerate(mix.neighbors[:plan.num_buffers]):
                 if not torch.isfinite(y).all():
                     who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
                     raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
                                        f"non-finite values from {who} (check_finite=True)")
-        return out
+        return mix
+
+    def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
+        """mix_inputs with every payload already added to its copy: the buffers to mix, as a list."""
+        return self.mix_inputs(b, plan, fuse=False).neighbors
 
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
         # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
@@ -290,8 +297,8 @@ class GossipSchedule(ScheduleCheckpoint):
             self._fresh = False
         for i in ids:
             b = self.buckets[i]
-            nbs = self.received(b, plan)
-            ops.gossip_mix_(b.flat, nbs, plan.self_weight, plan.weights, disagreement=self.meter.slot(b, 0))
+            nbs, wire = self.mix_inputs(b, plan).at()
+            ops.gossip_mix_(b.flat, nbs, plan.self_weight, plan.weights, disagreement=self.meter.slot(b, 0), **wire)
             self.pending.discard(i)
         if ids and not self.pending:
             self.end_mix(plan)

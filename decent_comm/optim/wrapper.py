@@ -57,9 +57,10 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         """mix(x^t) - x^t per bucket, then the inner step at x^t, then the mix added on top."""
         deltas = []
         for b in self._buckets:
-            nbs = self._schedule.received(b, plan)
+            nbs, wire = self._schedule.mix_inputs(b, plan).at()
             mixed = b.flat.clone()
-            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._schedule.meter.slot(b, 0))
+            ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._schedule.meter.slot(b, 0),
+                            **wire)
             deltas.append(mixed.sub_(b.flat))
         refs = [b.flat.clone() for b in self._buckets] if measure else None
         self._update_local(skip_update)
