@@ -2,6 +2,7 @@
 (tests/test_optim_dist.py, tests/test_adaptive.py); each case names the torch.optim math that
 tests/optim_reference.py simulates for it."""
 
+import io
 import numpy as np
 import torch
 
@@ -39,10 +40,12 @@ def assert_every_rank_close(results, tol=1e-5):
         assert not bad, (r, bad)
 
 
-def resumed_vs_straight(rank, build, total, stop):
+def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None):
     """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
     into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
-    parameters from the straight run's, the checkpoint). `build(model)` makes the optimizer."""
+    parameters from the straight run's, the checkpoint, on_load(new optimizer) right after loading, or None).
+    `build(model)` makes the optimizer; `serialize`: the checkpoint goes through torch.save / torch.load
+    (weights_only=True), as a file would."""
     model = make_model(rank)
     opt = build(model)
     train_steps(rank, model, opt, total)
@@ -54,15 +57,21 @@ def resumed_vs_straight(rank, build, total, stop):
     train_steps(rank, model, opt, stop)
     ckpt = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
     opt.shutdown()
+    if serialize:
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
     model = make_model(10 + rank)
     opt = build(model)
     model.load_state_dict(ckpt[1])
     opt.load_state_dict(ckpt[0])
+    seen = on_load(opt) if on_load is not None else None
     train_steps(rank, model, opt, total - stop, stop)
     opt.synchronize()
     err = (flat_params(model) - straight).abs().max().item()
     opt.shutdown()
-    return err, ckpt
+    return err, ckpt, seen
 
 
 def flat_params(model):

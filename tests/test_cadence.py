@@ -59,7 +59,7 @@ def _resume_mid_interval(rank, n, mode):
         return decent_comm.DAdamW(model.parameters(), lr=0.02, topology="one-peer-exp", mode=mode, model=model,
                                   gossip_every=3, warmup_steps=2, timeout=30)
 
-    err, ckpt = resumed_vs_straight(rank, build, 12, 7)
+    err, ckpt, _ = resumed_vs_straight(rank, build, 12, 7)
     other = decent_comm.DAdamW(make_model(0).parameters(), topology="one-peer-exp", gossip_every=2, warmup_steps=2,
                                timeout=30)
     try:

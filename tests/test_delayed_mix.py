@@ -4,7 +4,6 @@ optimizer, point-to-point and group (all-reduce) rounds in tests/test_cadence.py
 at rounds; the option is checked like every other (mode, agreement across ranks) and a checkpoint resumes exactly,
 the round in flight included."""
 
-import io
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import decent_comm
 from decent_comm import topology as T
 
 from dist_utils import run_ranks
-from optim_cases import flat_params, make_model, run_against_reference, train_steps
+from optim_cases import make_model, resumed_vs_straight, run_against_reference, train_steps
 
 
 def _bf16_wire(rank, n):
@@ -79,29 +78,10 @@ def _resume(rank, n, optimizer, stop):
             return decent_comm.Decentralized(torch.optim.Adam(model.parameters(), lr=0.02), **kw)
         return decent_comm.DAdamW(model.parameters(), lr=0.02, **kw)
 
-    model = make_model(rank)
-    opt = build(model)
-    train_steps(rank, model, opt, 12)
-    opt.synchronize()
-    straight = flat_params(model)
-    opt.shutdown()
-    model = make_model(rank)
-    opt = build(model)
-    train_steps(rank, model, opt, stop)
-    buf = io.BytesIO()
-    torch.save((opt.state_dict(), model.state_dict()), buf)
-    opt.shutdown()
-    buf.seek(0)
-    opt_sd, model_sd = torch.load(buf, weights_only=True)
-    model = make_model(10 + rank)
-    opt = build(model)
-    model.load_state_dict(model_sd)
-    opt.load_state_dict(opt_sd)
-    again = opt.state_dict()["param_groups"][0]["decentralized"]["delayed_pending"]
-    train_steps(rank, model, opt, 12 - stop, start=stop)
-    opt.synchronize()
-    err = (flat_params(model) - straight).abs().max().item()
-    opt.shutdown()
+    def pending(opt):
+        return opt.state_dict()["param_groups"][0]["decentralized"]["delayed_pending"]
+
+    err, (opt_sd, _), again = resumed_vs_straight(rank, build, 12, stop, serialize=True, on_load=pending)
     plain = decent_comm.DAdamW(make_model(rank).parameters(), topology="one-peer-exp", gossip_every=3, warmup_steps=2,
                                timeout=30)
     try:
