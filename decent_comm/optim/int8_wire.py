@@ -84,6 +84,7 @@ class Int8Wire:
         self.topology, self.rank, self.block = topology, rank, block
         self._payload: Dict[int, torch.Tensor] = {}   # bucket -> what it sends (kept until the exchange ends)
         self._undecoded: Set[int] = set()            # buckets whose last exchange's payloads are not added yet
+        self._names_of = (None, [])                  # _peer_names' last (topology step, neighbours) and its names
 
     def payload_buffer(self, b) -> torch.Tensor:
         return torch.empty(payload_nbytes(b.numel, self.block), dtype=torch.uint8, device=b.device)
@@ -92,7 +93,13 @@ class Int8Wire:
         return f"{PREFIX}_to_{_key(plan.send)}"
 
     def _peer_names(self, plan) -> List[str]:
-        return [f"{PREFIX}_from_{j}_to_{_key(self.topology.peers(j, plan.topo_step).send)}" for j in plan.recv]
+        # Every bucket of a round asks with the same plan: the names of the last one are kept (one topology.peers
+        # call per neighbour and round, not per bucket).
+        key = (plan.topo_step, tuple(plan.recv))
+        if self._names_of[0] != key:
+            self._names_of = (key, [f"{PREFIX}_from_{j}_to_{_key(self.topology.peers(j, plan.topo_step).send)}"
+                                    for j in plan.recv])
+        return self._names_of[1]
 
     def encode(self, b, plan) -> torch.Tensor:
         """The payload of bucket b for `plan` (its copy for the plan's receivers advances)."""
@@ -121,6 +128,7 @@ class Int8Wire:
     def forget(self):
         """A checkpoint was loaded: its copies replace these, and nothing in flight is decoded any more."""
         self._undecoded.clear()
+        self._names_of = (None, [])
 
     @staticmethod
     def state_names(buckets) -> List[str]:
