@@ -73,6 +73,19 @@ else
     || tail -20 "$OUT_DIR/gpu_exchange.log"
 fi
 
+step "the CPU loops on this host (issue #19: the AVX-512 variant has not executed on the development machines)"
+ISA="$("$PY" -c "from decent_comm import _native; print(_native.cpu_isa())")"
+echo "decent_comm CPU loops: $ISA"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_cpu_dispatch.py > "$OUT_DIR/cpu_dispatch_tests.log" 2>&1
+tail -1 "$OUT_DIR/cpu_dispatch_tests.log"
+if [ "$ISA" = avx512 ] || [ "$DRY" = 1 ]; then
+  for isa in "$ISA" avx2; do  # same run, same sizes: the AVX-512 loops against the AVX2 ones, both against torch
+    DECENT_COMM_CPU_ISA=$isa timeout 150 "$PY" bench/mix_kernels.py --device cpu --quick --sizes "${SIZES%%,*}" \
+      --threads 1 --only mix --repeats 3 --json "$OUT_DIR/mix_kernels_cpu_$isa.json" > "$OUT_DIR/cpu_bench_$isa.log" 2>&1
+    echo "$isa:"; grep -E "^\| gossip_mix_" "$OUT_DIR/cpu_bench_$isa.log" | cut -c1-90
+  done
+fi
+
 step "summary"
 "$PY" bench/gpu_check_summary.py --junit "$OUT_DIR/gpu_tests_ops.xml" "$OUT_DIR/gpu_tests_nccl.xml" \
   --mix "$OUT_DIR/mix_kernels_$DEVICE.json" --exchange "$OUT_DIR/exchange_nccl_self.json" --sizes "$SIZES"
