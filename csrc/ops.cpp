@@ -58,8 +58,8 @@ void mix_sgd_impl(const at::Tensor& x, at::TensorList neighbors, double self_wei
                   double dampening, double weight_decay, bool nesterov, bool first_step,
                   const std::optional<at::Tensor>& disagreement, const std::optional<at::Tensor>& grad_scale,
                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step,
-    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
-    int64_t payload_block) {
+                  const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+                  int64_t payload_block) {
   OpCall c("decent_comm.mix_sgd_", x, list(copies), neighbors, self_weight, weights);
   c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);
@@ -91,8 +91,8 @@ void mix_adam_impl(const at::Tensor& x, at::TensorList neighbors, double self_we
                    double eps, double weight_decay, bool decoupled,
                    const std::optional<at::Tensor>& disagreement, const std::optional<at::Tensor>& grad_scale,
                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& state_step,
-    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
-    int64_t payload_block) {
+                   const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+                   int64_t payload_block) {
   OpCall c("decent_comm.mix_adam_", x, list(copies), neighbors, self_weight, weights);
   c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);
@@ -109,8 +109,8 @@ void mix_accum_adam_impl(const at::Tensor& x, at::TensorList neighbors, double s
                          double weight_decay, bool decoupled, const std::optional<at::Tensor>& disagreement,
                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                          const std::optional<at::Tensor>& state_step,
-    const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
-    int64_t payload_block) {
+                         const OptionalTensors& copies, const OptionalTensors& payloads, int64_t payload_offset,
+                         int64_t payload_block) {
   OpCall c("decent_comm.mix_accum_adam_", x, list(copies), neighbors, self_weight, weights);
   c.set_payloads(list(payloads), payload_offset, payload_block);
   c.set_grad(grad);

@@ -183,7 +183,8 @@ def _misuse_cases():
         "payload in a copy": (with_(payloads=lambda o: [o["copies"][1].view(torch.uint8)[:1032], o["payloads"][1]]),
                               "payloads\\[0\\] shares memory with copies\\[1\\]"),
         "weights": (with_(weights=[0.1, 0.2]), "2 copies and 1 neighbors but 2 weights"),
-        "short copy": (with_(copies=lambda o: [o["copies"][0][:999], o["copies"][1]]), "copies\\[0\\] has 999 elements"),
+        "short copy": (with_(copies=lambda o: [o["copies"][0][:999], o["copies"][1]]),
+                       "copies\\[0\\] has 999 elements"),
     }
 
 

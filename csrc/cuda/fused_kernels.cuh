@@ -9,8 +9,8 @@
 // its vector width (e.g. a view at an odd storage offset) the launcher picks the VEC = 1 instantiation.
 // Neighbour counts 1 and 2 (one-peer and ring topologies) are compile-time constants so the loop over
 // neighbours unrolls; other counts use a runtime loop. The 8-bit wire's mixes (PayloadOperands: the first neighbours
-// are public copies advanced by their payloads in the same pass) have kernels of their own (kWire). The grid is one wave of resident blocks, sized from the
-// occupancy of each kernel variant on x's device.
+// are public copies advanced by their payloads in the same pass) have kernels of their own (kWire). The grid is one
+// wave of resident blocks, sized from the occupancy of each kernel variant on x's device.
 #pragma once
 
 #include <cuda_bf16.h>
