@@ -28,9 +28,8 @@ BLOCK = 512
 
 def torch_encode(x, copy, payload):
     n = x.numel()
-    nb = -(-n // BLOCK)
-    q = payload[:nb * BLOCK].view(torch.int8).view(nb, BLOCK)
-    scale = payload[nb * BLOCK:].view(torch.float32)
+    q, scale = ops.int8_payload_views(payload, BLOCK)
+    nb = scale.numel()
     delta = torch.zeros(nb * BLOCK, dtype=torch.float32, device=x.device)
     torch.sub(x, copy, out=delta[:n])
     d = delta.view(nb, BLOCK)
@@ -43,9 +42,7 @@ def torch_encode(x, copy, payload):
 
 def torch_decode(copy, payload):
     n = copy.numel()
-    nb = -(-n // BLOCK)
-    q = payload[:nb * BLOCK].view(torch.int8).view(nb, BLOCK)
-    scale = payload[nb * BLOCK:].view(torch.float32)
+    q, scale = ops.int8_payload_views(payload, BLOCK)
     copy.add_(q.to(torch.float32).mul_(scale[:, None]).view(-1)[:n])
 
 

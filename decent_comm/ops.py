@@ -187,6 +187,17 @@ def int8_payload_nbytes(numel: int, block: int = 512) -> int:
     return blocks * block + 4 * blocks
 
 
+def int8_payload_views(payload: torch.Tensor, block: int = 512):
+    """The (blocks, block) int8 levels and the (blocks,) float32 scales of an int8_encode_ payload, as views of it
+    (the one place in Python that knows the layout)."""
+    if payload.dim() != 1 or payload.dtype != torch.uint8 or payload.numel() % (block + 4):
+        raise ValueError(f"not an int8_encode_ payload of blocks of {block}: {payload.dtype} of shape "
+                         f"{tuple(payload.shape)} (int8_payload_nbytes gives its size)")
+    blocks = payload.numel() // (block + 4)
+    return (payload[:blocks * block].view(torch.int8).view(blocks, block),
+            payload[blocks * block:].view(torch.float32))
+
+
 def has_cuda_kernels() -> bool:
     """True when this build registered CUDA kernels for every op."""
     return _native.built_with_cuda()

@@ -53,7 +53,7 @@ def _call(kind, o, fused, disagreement=None, **amp):
         kw = dict(copies=o["copies"], payloads=o["payloads"], payload_offset=o["offset"], payload_block=o["block"])
     else:
         for c, p in zip(o["copies"], o["payloads"]):
-            full = torch.zeros(p.numel() // (o["block"] + 4) * o["block"], device=c.device)  # the payload's elements
+            full = torch.zeros(ops.int8_payload_views(p, o["block"])[0].numel(), device=c.device)  # its elements
             full[o["offset"]:o["offset"] + c.numel()] = c
             ops.int8_dequantize_add_(full, p, o["block"])
             c.copy_(full[o["offset"]:o["offset"] + c.numel()])

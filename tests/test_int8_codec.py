@@ -26,9 +26,9 @@ def _case(n, seed, x_dtype=torch.float32, device="cpu"):
     return x.to(x_dtype).to(device), copy.to(device)
 
 
-def _levels_scales(payload, n, block):
-    nb = -(-n // block)
-    return payload[:nb * block].view(torch.int8), payload[nb * block:].view(torch.float32)
+def _levels_scales(payload, block):
+    levels, scales = ops.int8_payload_views(payload, block)
+    return levels.reshape(-1), scales
 
 
 def _model(x, copy, block):
@@ -51,7 +51,7 @@ def test_encode_matches_the_numpy_model_bit_for_bit(device, x_dtype, n):
         want_copy, want_q, want_scale = _model(x, copy, 512)
         payload = torch.full((ops.int8_payload_nbytes(n),), 77, dtype=torch.uint8, device=device)
         ops.int8_encode_(x, copy, payload)
-        q, scale = _levels_scales(payload.cpu(), n, 512)
+        q, scale = _levels_scales(payload.cpu(), 512)
         assert np.array_equal(q[:n].numpy(), want_q), (seed, np.nonzero(q[:n].numpy() != want_q)[0][:5])
         assert (q[n:] == 0).all(), "the padding of the last block must be 0"
         assert np.array_equal(scale.numpy(), want_scale)
@@ -69,7 +69,7 @@ def test_rounding_ties_go_to_even(device):
     copy = torch.zeros_like(x)
     payload = torch.empty(ops.int8_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
     ops.int8_encode_(x, copy, payload)
-    q, scale = _levels_scales(payload.cpu(), x.numel(), 512)
+    q, scale = _levels_scales(payload.cpu(), 512)
     assert q[:10].tolist() == [127, 14, 16, -14, -16, 0, 2, 2, 0, -2]
     assert scale.tolist() == [1.0]
 
@@ -82,7 +82,7 @@ def test_other_block_sizes(device, block):
     want_copy, want_q, want_scale = _model(x, copy, block)
     payload = torch.empty(ops.int8_payload_nbytes(n, block), dtype=torch.uint8, device=device)
     ops.int8_encode_(x, copy, payload, block)
-    q, scale = _levels_scales(payload.cpu(), n, block)
+    q, scale = _levels_scales(payload.cpu(), block)
     assert np.array_equal(q[:n].numpy(), want_q) and np.array_equal(scale.numpy(), want_scale)
     assert np.array_equal(copy.cpu().numpy(), want_copy)
 
@@ -96,7 +96,7 @@ def test_a_non_finite_value_poisons_its_block_only(device):
         copy = torch.zeros(n, device=device)
         payload = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device=device)
         ops.int8_encode_(x, copy, payload)
-        _, scale = _levels_scales(payload.cpu(), n, 512)
+        _, scale = _levels_scales(payload.cpu(), 512)
         assert not torch.isfinite(scale[1]) and torch.isfinite(scale[[0, 2, 3]]).all()
         assert copy[512:1024].isnan().all(), "the block of the bad value must be NaN on both ends"
         clean = x.clone()
@@ -192,3 +192,16 @@ def test_opcheck(device):
     x, c, p = _operands(1500, device)
     torch.library.opcheck(torch.ops.decent_comm.int8_encode_.default, (x, c, p, 512))
     torch.library.opcheck(torch.ops.decent_comm.int8_dequantize_add_.default, (c, p, 512))
+
+
+def test_payload_views_know_the_layout():
+    n, block = 1000, 64
+    x, c, p = torch.randn(n), torch.zeros(n), torch.empty(ops.int8_payload_nbytes(n, block), dtype=torch.uint8)
+    ops.int8_encode_(x, c, p, block)
+    levels, scales = ops.int8_payload_views(p, block)
+    assert levels.shape == (16, block) and scales.shape == (16,)
+    assert levels.data_ptr() == p.data_ptr() and scales.data_ptr() == p.data_ptr() + 16 * block  # views, no copy
+    assert torch.equal(levels.reshape(-1)[:n].float() * scales.repeat_interleave(block)[:n], c)  # the copy from 0
+    for bad in (p[:-1], p.view(torch.int8)):
+        with pytest.raises(ValueError, match="not an int8_encode_ payload"):
+            ops.int8_payload_views(bad, block)

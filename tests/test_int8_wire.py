@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import decent_comm
-from decent_comm import topology as T
+from decent_comm import ops, topology as T
 from decent_comm.optim import int8_wire as W8
 
 from dist_utils import run_ranks
@@ -33,7 +33,7 @@ def test_one_round_is_the_numpy_model_within_half_a_step(n):
     payload = torch.empty(W8.payload_nbytes(n), dtype=torch.uint8)
     copy = torch.zeros(n)
     W8.encode_(d, copy, payload)
-    q, scale = W8._views(payload, n, W8.BLOCK)
+    q, scale = ops.int8_payload_views(payload, W8.BLOCK)
     assert np.array_equal(q.reshape(-1)[:n].numpy(), want_q)
     assert np.array_equal(scale.numpy(), want_scale)
     assert np.array_equal(copy.numpy(), want_deq)

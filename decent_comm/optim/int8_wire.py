@@ -41,12 +41,6 @@ def payload_nbytes(numel: int, block: int = BLOCK) -> int:
     return ops.int8_payload_nbytes(numel, block)
 
 
-def _views(payload: torch.Tensor, numel: int, block: int):
-    """The (blocks, block) int8 levels and the float32 scales of a payload."""
-    nb = -(-numel // block)
-    return payload[:nb * block].view(torch.int8).view(nb, block), payload[nb * block:].view(torch.float32)
-
-
 @torch.no_grad()
 def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
     """payload <- Q(x - copy), then copy += deq(payload) (the receivers' copy of x after this round): one pass of
