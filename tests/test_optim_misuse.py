@@ -12,7 +12,7 @@ import torch.distributed as dist
 import decent_comm
 from decent_comm.exchange import ExchangeTimeout
 
-from dist_utils import run_ranks
+from dist_utils import exit_now, run_ranks
 from optim_cases import batch, make_model
 
 # ----------------------------------------------------------------------------------------- one process
@@ -149,7 +149,7 @@ def test_another_ranks_state_dict_is_refused():
         assert f"saved by rank {(r + 1) % 3}" in m and f"rank {r}" in m, m
 
 
-def _nan_on_one_rank(rank, n, mode, topology):
+def _nan_on_one_rank(rank, n, mode, topology, culprit_exits=False):
     model = make_model(rank)
     # exchange="p2p": a ring on 3 ranks would otherwise run as the group all-reduce too, as "complete" does.
     # ring-int8: the 8-bit wire, whose received bytes are checked once added to the neighbour's public copy
@@ -164,10 +164,14 @@ def _nan_on_one_rank(rank, n, mode, topology):
             loss = ((model(x) - y) ** 2).mean()
             if rank == 1 and t == 3:
                 loss = loss * float("nan")
+            if culprit_exits and rank != 1 and t == 3:
+                time.sleep(1.0)  # the culprit posts step 3's exchange, raises and exits before its peers post theirs
             loss.backward()
             opt.step()
         opt.synchronize()
     except RuntimeError as exc:
+        if culprit_exits and rank == 1:  # as a script dies of the error: no teardown, nothing drained at exit
+            exit_now(dict(msg=str(exc), elapsed=time.monotonic() - start))
         return dict(msg=str(exc), elapsed=time.monotonic() - start)
     return dict(msg="no error", elapsed=time.monotonic() - start)
 
@@ -184,6 +188,18 @@ def test_check_finite_names_the_rank_and_step_on_every_rank(mode, topology):
             "all-reduce among ranks [0, 1, 2] (rank 1 sent non-finite"
         assert "non-finite" in m and culprit in m, (r, m)
         assert res[r]["elapsed"] < 15, res[r]
+
+
+@pytest.mark.parametrize("topology", ["ring", "complete"])
+def test_check_finite_culprit_that_exits_at_once_is_still_named(topology):
+    """The culprit's process ends right after its error (os._exit): its peers still get its values, and in a group
+    its flag, because it completed the exchange it had posted before raising (an exit with the all-reduce in
+    flight made them report "the all-reduce ... failed" instead)."""
+    res = run_ranks(_nan_on_one_rank, 3, "awc", topology, True, timeout=120)
+    assert "rank 1:" in res[1]["msg"], res[1]
+    culprit = "from rank 1" if topology == "ring" else "(rank 1 sent non-finite"
+    for r in (0, 2):
+        assert "non-finite" in res[r]["msg"] and culprit in res[r]["msg"], (r, res[r])
 
 
 def _silent_group_peer(rank, n):
