@@ -72,8 +72,8 @@ def _child(rank, world_size, store_port, pg_timeout, fn, args, queue, env):
 
 @contextlib.contextmanager
 def _environ(overrides):
-    """os.environ with `overrides` while the children start: spawn copies the parent's environment, so they
-    see it before anything (OpenMP included) initializes."""
+    """os.environ with `overrides` while the fork server starts: it keeps that environment, so its children see
+    it before anything (OpenMP included) initializes."""
     saved = {k: os.environ.get(k) for k in overrides}
     os.environ.update(overrides)
     try:
@@ -121,9 +121,8 @@ def run_ranks(fn, world_size, *args, timeout=120, env=None, allow_failures=False
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, pg_timeout, fn, args, queue, child_env),
                          daemon=True)
              for r in range(world_size)]
-    with _environ(child_env):
-        for p in procs:
-            p.start()
+    for p in procs:  # forked by the server: the parent's environment is not theirs (_child applies child_env)
+        p.start()
     results = {}
     deadline = time.monotonic() + timeout
     try:
