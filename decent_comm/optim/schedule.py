@@ -187,18 +187,18 @@ class GossipSchedule(ScheduleCheckpoint):
                     self.exchange.exchange(b.index, send, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
         if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
-            self._complete_before_raising()
+            self._complete_before_raising(plan)
             when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
             raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
                                f"{when} (check_finite=True; steps count from 0)")
 
-    def _complete_before_raising(self):
+    def _complete_before_raising(self, plan: MixPlan):
         """check_finite found this rank's buffers non-finite: lets the exchange just posted finish first. The
         process usually ends with the error, and an exit with the transfer in flight fails it on the peers'
         side ("the all-reduce among ranks [...] failed"), so they could not see the values, nor in a group the
         flag naming this rank. Every rank posted the same exchange, so this takes about one exchange; if it
         fails (a peer is gone too), the peers' own errors say so and this rank's error stays the one raised."""
-        if self.exchange is None or self.inflight is None or self.inflight.silent:
+        if self.exchange is None or plan.silent:
             return
         try:
             self.exchange.wait_all()
