@@ -315,7 +315,8 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
         param_of = dict(zip(saved_ids, self._param_list()))
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        load_state(self._buckets, saved_state, param_of, self.state)
+        load_state(self._buckets, saved_state, param_of, self.state,
+                   lambda b: self._state_names(self.param_groups[b.group_index]))
 
     def state_dict(self):
         self.synchronize()

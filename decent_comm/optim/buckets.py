@@ -8,7 +8,7 @@ same layout, exposed per parameter as views (so torch.optim's state_dict machine
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -260,13 +260,21 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
 
 
 @torch.no_grad()
-def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state) -> None:
+def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state,
+               state_names: Callable[[Bucket], List[str]]) -> None:
     """Copies a torch.optim state_dict's per-parameter state into the flat buffers. `param_of`: saved key (an
-    index, or an FQN from torch.distributed.checkpoint) -> the parameter it names."""
+    index, or an FQN from torch.distributed.checkpoint) -> the parameter it names. `state_names(b)`: bucket b's
+    optimizer-state buffers; a parameter the saved state gives none of them starts afresh (zero buffers, count 0),
+    as in a torch optimizer that loads it. A parameter given them without a count (torch.optim.SGD saves none) has
+    stepped: count 1.
+
+    The saved tensors may be this optimizer's own views: opt.load_state_dict(opt.state_dict()), or
+    torch.distributed.checkpoint loading into get_state_dict's tensors in place. So everything is read before
+    anything is written: the counts as numbers, and a saved tensor sharing memory with the buckets is cloned unless
+    it is its own destination (then it stays where it is)."""
     slot_of = find_bucket_of(buckets)
-    for b in buckets:
-        b.step_count.zero_()
-        b.published = [False] * len(b.slots)
+    bucket_memory = {t.untyped_storage().data_ptr() for b in buckets for t in [b.step_count, *b.state.values()]}
+    loaded: Dict[tuple, tuple] = {}  # (id(bucket), slot index) -> (count or None, {name: tensor to copy or None})
     for key, st in saved_state.items():
         p = param_of.get(key)
         if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
@@ -274,15 +282,45 @@ def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state) 
         if p is None or not st:
             continue
         b, i = slot_of[id(p)]
+        count, tensors = None, {}
         for name, value in st.items():
             if name == "step":
-                b.step_count[i] = float(value)
+                count = float(value)
             elif value is not None:
-                b.view(b.state_buffer(name), b.slots[i]).copy_(value)
+                tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
+        loaded[(id(b), i)] = (count, tensors)
     for b in buckets:
+        b.step_count.zero_()
+        b.published = [False] * len(b.slots)
+        names = state_names(b)
+        for i, s in enumerate(b.slots):
+            count, tensors = loaded.get((id(b), i), (None, {}))
+            for name, value in tensors.items():
+                if value is not None:
+                    b.view(b.state_buffer(name), s).copy_(value)
+            for name in names:
+                if name not in tensors and name in b.state:
+                    b.view(b.state[name], s).zero_()
+            if count is not None:
+                b.step_count[i] = count
+            elif any(name in tensors for name in names):
+                b.step_count[i] = 1.0
         if b.classes is not None:  # the loaded counts decide which slots agree
             b.classes = _classes_of(b.step_count.tolist())
         publish_state(b, state)
+
+
+def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: set):
+    """`value` to copy into slot i's buffer `name`: None when it is that very view already, a clone when it shares
+    memory with the buckets otherwise (loading writes them), else itself."""
+    if not torch.is_tensor(value) or value.untyped_storage().data_ptr() not in bucket_memory:
+        return value
+    buf = b.state.get(name)
+    if buf is not None:
+        dest = b.view(buf, b.slots[i])
+        if value.data_ptr() == dest.data_ptr() and value.shape == dest.shape and value.stride() == dest.stride():
+            return None
+    return value.clone()
 
 
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:

@@ -1,0 +1,131 @@
+"""Loading a state dict as a torch optimizer does, although the state lives in flat buckets that opt.state and
+state_dict() only view: loading the optimizer's own state_dict() (or torch.distributed.checkpoint writing into
+get_state_dict's tensors in place) keeps the step counts, a parameter the saved state does not cover starts afresh,
+and torch.optim.SGD's momentum (saved without a step) is used. References: torch's optimizers fed the same
+gradients, and a twin that never reloaded."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import decent_comm
+
+HP = dict(lr=0.01, weight_decay=0.1)
+CASES = {  # name: (decentralized, torch counterpart or None)
+    "DSGD": (lambda ps: decent_comm.DSGD(ps, momentum=0.9, **HP), lambda ps: torch.optim.SGD(ps, momentum=0.9, **HP)),
+    "DAdamW": (lambda ps: decent_comm.DAdamW(ps, **HP), lambda ps: torch.optim.AdamW(ps, **HP)),
+    "DAdam": (lambda ps: decent_comm.DAdam(ps, **HP), lambda ps: torch.optim.Adam(ps, **HP)),
+    "AccumAdamW": (lambda ps: decent_comm.AccumAdamW(ps, accum_steps=3, **HP), None),
+}
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def step(m, opt, t, only=None):
+    """One step on gradients drawn from t; `only`: the indices of the parameters that get one (others None)."""
+    g = torch.Generator().manual_seed(100 + t)
+    for i, p in enumerate(m.parameters()):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad = grad if only is None or i in only else None
+    opt.step()
+
+
+def params(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def assert_same(got, want, exact):
+    for i, (a, b) in enumerate(zip(got, want)):
+        tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, **tol, msg=lambda msg: f"parameter {i}: {msg}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_loading_its_own_state_dict_changes_nothing(name):
+    ctor, ref_ctor = CASES[name]
+    m, twin = model(), model()
+    opt, twin_opt = ctor(m.parameters()), ctor(twin.parameters())
+    ref = model()
+    ref_opt = ref_ctor(ref.parameters()) if ref_ctor else None
+    for t in range(6):
+        if t == 3:  # the saved tensors are the live views: the load must read them before it writes
+            opt.load_state_dict(opt.state_dict())
+            assert [float(opt.state[p]["step"]) for p in m.parameters()] == [3.0] * 4
+        for mm, o in ((m, opt), (twin, twin_opt)) + (((ref, ref_opt),) if ref_opt else ()):
+            step(mm, o, t)
+    assert_same(params(m), params(twin), exact=True)
+    if ref_opt:
+        assert_same(params(m), params(ref), exact=False)
+
+
+@pytest.mark.parametrize("name", ["DAdamW", "AccumAdamW"])
+def test_dcp_load_in_place_resumes_exactly(name, tmp_path):
+    """The torch.distributed.checkpoint recipe: get_state_dict, dcp.load writes into its tensors (the live views),
+    set_state_dict. Resuming from step 3 after 2 more steps must continue as a run that never took them."""
+    ctor = CASES[name][0]
+    m, twin = model(), model()
+    opt, twin_opt = ctor(m.parameters()), ctor(twin.parameters())
+    for t in range(3):
+        step(m, opt, t)
+        step(twin, twin_opt, t)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    for t in range(3, 5):  # then diverge: the checkpoint must bring these back
+        step(m, opt, 50 + t)
+    msd, osd = get_state_dict(m, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+    assert [float(opt.state[p]["step"]) for p in m.parameters()] == [3.0] * 4
+    for t in range(3, 6):
+        step(m, opt, t)
+        step(twin, twin_opt, t)
+    assert_same(params(m), params(twin), exact=True)
+
+
+@pytest.mark.parametrize("name", ["DSGD", "DAdamW", "DAdam"])
+def test_a_parameter_the_checkpoint_does_not_cover_starts_afresh(name):
+    """A checkpoint from before parameter 2 and 3 got gradients, loaded into an optimizer that has stepped them
+    since: their moments and counts must be fresh again, as in torch's optimizer loading the same checkpoint."""
+    ctor, ref_ctor = CASES[name]
+    m, ref = model(), model()
+    opt, ref_opt = ctor(m.parameters()), ref_ctor(ref.parameters())
+    for mm, o in ((m, opt), (ref, ref_opt)):
+        step(mm, o, 0, only={0, 1})
+    early = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    for t in range(1, 4):
+        for mm, o in ((m, opt), (ref, ref_opt)):
+            step(mm, o, t)
+    opt.load_state_dict(early[0])
+    ref_opt.load_state_dict(early[1])
+    with_state = [[i for i, p in enumerate(mm.parameters()) if p in o.state] for mm, o in ((m, opt), (ref, ref_opt))]
+    assert with_state == [[0, 1], [0, 1]]
+    for t in range(4, 8):
+        for mm, o in ((m, opt), (ref, ref_opt)):
+            step(mm, o, t)
+    assert_same(params(m), params(ref), exact=False)
+
+
+def test_dsgd_uses_the_momentum_of_a_torch_sgd_checkpoint():
+    """torch.optim.SGD saves momentum_buffer and no step: loaded into DSGD the buffer must be used, not replaced by
+    the next gradient as on a first step."""
+    ctor, ref_ctor = CASES["DSGD"]
+    ref = model()
+    ref_opt = ref_ctor(ref.parameters())
+    for t in range(2):
+        step(ref, ref_opt, t)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    assert "step" not in saved["state"][0]
+    m = model()
+    m.load_state_dict(ref.state_dict())
+    opt = ctor(m.parameters())
+    opt.load_state_dict(saved)
+    for t in range(2, 5):
+        step(m, opt, t)
+        step(ref, ref_opt, t)
+    assert_same(params(m), params(ref), exact=False)
