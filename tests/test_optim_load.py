@@ -129,3 +129,55 @@ def test_dsgd_uses_the_momentum_of_a_torch_sgd_checkpoint():
         step(m, opt, t)
         step(ref, ref_opt, t)
     assert_same(params(m), params(ref), exact=False)
+
+
+@pytest.mark.parametrize("ctor, flag", [(decent_comm.DAdamW, "amsgrad"), (decent_comm.DAdam, "maximize"),
+                                        (decent_comm.DSGD, "maximize"), (decent_comm.AccumAdamW, "amsgrad")])
+def test_a_group_asking_for_what_the_kernels_do_not_do_is_refused(ctor, flag):
+    """torch reads amsgrad / maximize per group: a group or a torch checkpoint setting one must not train as plain
+    Adam/SGD. The checkpoint is refused before anything is loaded."""
+    m = model()
+    ps = list(m.parameters())
+    with pytest.raises(ValueError, match=rf"param group 1\): {flag}=True is not supported"):
+        ctor([{"params": ps[:2]}, {"params": ps[2:], flag: True}], lr=0.01)
+    opt = ctor(m.parameters(), lr=0.01)
+    step(m, opt, 0)
+    before = copy.deepcopy(opt.state_dict())
+    saved = copy.deepcopy(before)
+    saved["param_groups"][0][flag] = True
+    with pytest.raises(ValueError, match=rf"param group 0\): {flag}=True is not supported"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(after["state"][i][k], v, rtol=0, atol=0)
+
+
+def test_a_torch_checkpoint_loads_and_continues_as_torch():
+    """Its groups carry amsgrad=False, maximize=False, foreach, capturable...: none of them refused."""
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    for t in range(2):
+        step(ref, ref_opt, t)
+    m = model()
+    m.load_state_dict(ref.state_dict())
+    opt = decent_comm.DAdamW(m.parameters(), **HP)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    assert {"amsgrad", "maximize", "capturable", "foreach"} <= set(saved["param_groups"][0])
+    opt.load_state_dict(saved)
+    for t in range(2, 4):
+        step(m, opt, t)
+        step(ref, ref_opt, t)
+    assert_same(params(m), params(ref), exact=False)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_deepcopy_and_pickle_say_to_use_the_state_dict(wrap):
+    import pickle
+    m = model()
+    opt = decent_comm.Decentralized(torch.optim.SGD(m.parameters(), lr=0.1)) if wrap else \
+        decent_comm.DAdamW(m.parameters())
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied.*state_dict"):
+            copier(opt)

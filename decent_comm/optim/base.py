@@ -43,6 +43,12 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
     op_kwargs, which also carry the 8-bit wire's copies and payloads); ``Decentralized`` overrides `_update_awc` and
     `_update_local` instead."""
 
+    def __getstate__(self):
+        # torch.optim.Optimizer pickles defaults, state and param_groups only: a copy would lack the buckets, the
+        # schedule and the exchange, and fail at its first step. Say so now, and what to do instead.
+        raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (it holds flat buckets, a process "
+                        f"group and exchanges in flight): save opt.state_dict() and load it into a new optimizer")
+
     # GradScaler calls step() even on overflow, passing grad_scale / found_inf (decent_comm.optim.amp); the fused
     # kernels read them on the device.
     _step_supports_amp_scaling = True
@@ -61,6 +67,7 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         if delayed_mix and mode != "awc":
             raise ValueError("delayed_mix=True needs mode='awc': the delayed mix is applied inside the fused update "
                              "of the next gossip round (ATC mixes before the next forward, which a delay defeats)")
+        self._check_group_options(self.param_groups)
         self.process_group = process_group
         self.rank, self.world_size = distributed_context(process_group)
         topology = resolve_topology(topology, self.world_size)
@@ -183,6 +190,10 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
             for name in self._state_names(self.param_groups[b.group_index]):
                 b.state_buffer(name)
             publish_state(b, self.state, include_unstepped=True)
+
+    def _check_group_options(self, groups: List[dict]) -> None:
+        """Raises ValueError for a param group asking for what this optimizer's update does not do (torch.optim
+        reads such options per group: {"params": ..., "amsgrad": True}, or a torch optimizer's checkpoint)."""
 
     def _state_names(self, group) -> List[str]:
         """Names of the flat state buffers the fused kernel of this optimizer keeps for `group`."""
@@ -333,6 +344,7 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         extra = state_dict.pop("decentralized", None)
         extra = groups[0].pop("decentralized", extra) if groups else extra
         state_dict["param_groups"] = groups
+        self._check_group_options(groups)  # before anything is loaded
         self._load_optimizer_state_dict(state_dict)
         self._gather_correction()
         self._schedule.load_state_dict(extra)

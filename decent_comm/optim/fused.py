@@ -80,9 +80,21 @@ _TORCH_NAME = {"DSGD": "SGD", "DAdam": "Adam", "DAdamW": "AdamW"}
 def _reject_unsupported(name, **flags):
     for flag, value in flags.items():
         if value:
-            inner = _TORCH_NAME.get(name, "Adam")
+            inner = _TORCH_NAME.get(name.split()[0], "Adam")
             raise ValueError(f"{name}: {flag}=True is not supported by the fused kernels; wrap the torch optimizer "
                              f"instead: decent_comm.Decentralized(torch.optim.{inner}(..., {flag}=True))")
+
+
+class _FusedGroupOptions:
+    """torch options that change the update and the fused kernels do not implement: refused in every param group
+    too (constructor arguments, groups given as dicts, loaded checkpoints), as torch reads them per group."""
+    _UNSUPPORTED = ("maximize",)
+
+    def _check_group_options(self, groups):
+        for index, group in enumerate(groups):
+            for flag in self._UNSUPPORTED:
+                if group.get(flag):
+                    _reject_unsupported(f"{type(self).__name__} (param group {index})", **{flag: True})
 
 
 def _check_common(lr, weight_decay, eps=None, betas=None):
@@ -98,7 +110,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}")
 
 
-class DSGD(DecentralizedMixin, torch.optim.Optimizer):
+class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     __doc__ = "Decentralized torch.optim.SGD (momentum, dampening, nesterov, weight_decay as torch)." + _DOC_OPTIONS
     _sparse_grads_ok = True
     _amp_in_kernel = True
@@ -127,8 +139,9 @@ class DSGD(DecentralizedMixin, torch.optim.Optimizer):
                      disagreement=disagreement, **op_kwargs)
 
 
-class _AdamBase(DecentralizedMixin, torch.optim.Optimizer):
+class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     _decoupled = False
+    _UNSUPPORTED = ("amsgrad", "maximize")
     _amp_in_kernel = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
