@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import decent_comm
 
@@ -48,16 +48,20 @@ CASES = {
                                                                consensus=decent_comm.AdaptiveConsensus(p=2)),
     "wrapped-adam": lambda ps, model: decent_comm.Decentralized(torch.optim.Adam(ps, lr=0.01), topology="ring",
                                                                 timeout=30),
+    "dadamw-int8-delayed": lambda ps, model: decent_comm.DAdamW(ps, lr=0.01, topology="ring", timeout=30,
+                                                                comm_dtype=torch.int8, gossip_every=2,
+                                                                delayed_mix=True),
 }
 
 
-def _dcp_round_trip(rank, n, case):
+def _dcp_round_trip(rank, n, case, flatten):
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     model = make_model(rank)
     opt = CASES[case](model.parameters(), model)
     train_steps(rank, model, opt, 3, 0)
     opt.synchronize()  # ATC: state_dict() applies the pending mix first (the same x^{t+1} the next forward uses)
     before, t_before = flat_params(model).clone(), opt._schedule.t
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=options)
     side_effect = (flat_params(model) - before).abs().max().item() + abs(opt._schedule.t - t_before)
     ckpt = copy.deepcopy((msd, osd))
     train_steps(rank, model, opt, 3, 3)
@@ -67,7 +71,11 @@ def _dcp_round_trip(rank, n, case):
 
     model = make_model(50 + rank)  # other weights: everything must come from the checkpoint
     opt = CASES[case](model.parameters(), model)
-    set_state_dict(model, opt, model_state_dict=ckpt[0], optim_state_dict=ckpt[1])
+    try:
+        set_state_dict(model, opt, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
+    except ValueError as e:
+        opt.shutdown()
+        return dict(side_effect=side_effect, refused=str(e))
     restored_t = opt._schedule.t
     train_steps(rank, model, opt, 3, 3)
     opt.synchronize()
@@ -76,10 +84,17 @@ def _dcp_round_trip(rank, n, case):
     return dict(side_effect=side_effect, err=err, restored_t=restored_t)
 
 
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_dcp_get_set_state_dict_round_trip_is_exact(case):
-    for r in run_ranks(_dcp_round_trip, 3, case, timeout=300):
+def test_dcp_get_set_state_dict_round_trip_is_exact(case, flatten):
+    """Both forms: flatten_optimizer_state_dict=True (torchtitan's) rebuilds the state dict from the keys of the
+    live param groups and opt.state, so what the schedule needs must be there."""
+    for r in run_ranks(_dcp_round_trip, 3, case, flatten, timeout=300):
         assert r["side_effect"] == 0, r
+        if flatten and case == "dadamw-int8-delayed":
+            # the int8 wire's copies have per-neighbour names a new optimizer does not have: refused, not dropped
+            assert "int8_wire" in r.get("refused", "") and "flatten_optimizer_state_dict" in r["refused"], r
+            continue
         assert r["restored_t"] == 3, r
         assert r["err"] < 1e-6, r
 

@@ -29,11 +29,16 @@ from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
 from .plan import Cadence, MixInputs
 from .schedule import CORRECTION, MODES, GossipSchedule
+from .schedule_state import check_state_names
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, verify_replicas)
 from .tracing import traced
 
 __all__ = ["DecentralizedMixin", "MODES"]
+
+
+#: param_groups[0] key of where the gossip schedule stands (GossipSchedule.state_dict())
+SCHEDULE_KEY = "decentralized"
 
 
 class DecentralizedMixin(diagnostics.ReplicaWatch):
@@ -92,6 +97,7 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
             exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite, cadence=cadence)
         if mode == "atc":
             self._schedule.attach(model)
+        self._show_schedule()
 
     # ----------------------------------------------------------------------------------- configuration
 
@@ -331,23 +337,37 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
 
     def state_dict(self):
         self.synchronize()
-        self._publish_correction(self._schedule.checkpoint_correction())
+        pending = self._schedule.checkpoint_correction()
+        self._publish_correction(pending)
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
-        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
-        sd["param_groups"][0]["decentralized"] = self._schedule.state_dict()
+        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict. With it, the names of the
+        # per-parameter state it needs back (a round in flight, the int8 wire's copies), checked on load.
+        where = self._show_schedule()
+        where["state_names"] = [CORRECTION] * pending + Int8Wire.state_names(self._buckets)
+        sd["param_groups"][0][SCHEDULE_KEY] = where
         return sd
+
+    def _show_schedule(self) -> dict:
+        """Puts where the schedule stands into the live param group 0 too: torch.distributed.checkpoint's flattened
+        form (flatten_optimizer_state_dict=True) restores only the group keys the live optimizer has."""
+        where = self._schedule.state_dict()
+        self.param_groups[0][SCHEDULE_KEY] = where
+        return dict(where)
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         groups = [dict(g) for g in state_dict["param_groups"]]
-        extra = state_dict.pop("decentralized", None)
-        extra = groups[0].pop("decentralized", extra) if groups else extra
+        extra = state_dict.pop(SCHEDULE_KEY, None)
+        extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
         state_dict["param_groups"] = groups
-        self._check_group_options(groups)  # before anything is loaded
+        # before anything is loaded:
+        self._check_group_options(groups)
+        check_state_names(extra, state_dict.get("state", {}))
         self._load_optimizer_state_dict(state_dict)
         self._gather_correction()
         self._schedule.load_state_dict(extra)
+        self._show_schedule()
 
     # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
     _correction_for_stateless_params = True
@@ -369,3 +389,4 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
     def shutdown(self):
         """Completes pending communication and releases the exchanger (call before destroying the group)."""
         self._schedule.shutdown()
+

@@ -15,6 +15,17 @@ from .plan import mix_plan
 CORRECTION = "delayed_mix_correction"
 
 
+def check_state_names(where: Optional[dict], saved_state: dict) -> None:
+    """Raises ValueError when the per-parameter state the saved schedule needs back is not in the state dict."""
+    have = {name for st in saved_state.values() for name in (st or {})}
+    missing = sorted(set((where or {}).get("state_names", ())) - have)
+    if missing:
+        raise ValueError(f"the state dict's gossip schedule needs per-parameter state {missing}, which the state dict "
+                         "lacks. torch.distributed.checkpoint's flattened form (flatten_optimizer_state_dict=True) "
+                         "keeps only the state names a newly built optimizer has: save and load with the nested form "
+                         "(the default), or save where no round is in flight and without comm_dtype=torch.int8")
+
+
 class ScheduleCheckpoint:
 
     @torch.no_grad()
