@@ -181,3 +181,31 @@ def test_deepcopy_and_pickle_say_to_use_the_state_dict(wrap):
     for copier in (copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="cannot be pickled or deep-copied.*state_dict"):
             copier(opt)
+
+
+@pytest.mark.parametrize("ctor, ref_ctor", [(decent_comm.DAdam, torch.optim.AdamW),
+                                            (decent_comm.AccumAdamW, torch.optim.Adam)])
+def test_a_checkpoint_with_the_other_weight_decay_is_refused(ctor, ref_ctor):
+    """torch's Adam groups carry decoupled_weight_decay: an AdamW checkpoint loaded into DAdam would apply L2."""
+    ref = model()
+    ref_opt = ref_ctor(ref.parameters(), **HP)
+    step(ref, ref_opt, 0)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    if "decoupled_weight_decay" not in saved["param_groups"][0]:
+        pytest.skip("this torch's Adam groups do not say which weight decay")
+    opt = ctor(model().parameters(), **HP)
+    with pytest.raises(ValueError, match="param group 0 has decoupled_weight_decay"):
+        opt.load_state_dict(saved)
+
+
+def test_param_groups_reused_from_another_optimizer_pass_the_replica_check():
+    """torch keeps the group dicts it is given: a new optimizer over old.param_groups finds the old one's schedule
+    entry (its rank and step) in group 0, which the ranks must not compare."""
+    from decent_comm.optim.startup import replica_config
+    m = model()
+    old = decent_comm.DAdamW(m.parameters(), **HP)
+    step(m, old, 0)
+    new = decent_comm.DAdamW(old.param_groups, **HP)
+    mine, peer = ([dict(new.param_groups[0], decentralized={"rank": r, "step": 7})] for r in (0, 1))
+    topo = new._schedule.topology
+    assert replica_config(new._buckets, topo, mine) == replica_config(new._buckets, topo, peer)

@@ -3,6 +3,7 @@ per-parameter views (the values torch's own optimizer holds), and torch.distribu
 get/set_state_dict round-trip exactly, with no side effect, the gossip schedule included."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -48,9 +49,10 @@ CASES = {
                                                                consensus=decent_comm.AdaptiveConsensus(p=2)),
     "wrapped-adam": lambda ps, model: decent_comm.Decentralized(torch.optim.Adam(ps, lr=0.01), topology="ring",
                                                                 timeout=30),
-    "dadamw-int8-delayed": lambda ps, model: decent_comm.DAdamW(ps, lr=0.01, topology="ring", timeout=30,
-                                                                comm_dtype=torch.int8, gossip_every=2,
-                                                                delayed_mix=True),
+    "dadamw-int8": lambda ps, model: decent_comm.DAdamW(ps, lr=0.01, topology="ring", timeout=30,
+                                                        comm_dtype=torch.int8),
+    "dadamw-delayed": lambda ps, model: decent_comm.DAdamW(ps, lr=0.01, topology="ring", timeout=30, gossip_every=2,
+                                                           delayed_mix=True),
 }
 
 
@@ -64,6 +66,7 @@ def _dcp_round_trip(rank, n, case, flatten):
     msd, osd = get_state_dict(model, opt, options=options)
     side_effect = (flat_params(model) - before).abs().max().item() + abs(opt._schedule.t - t_before)
     ckpt = copy.deepcopy((msd, osd))
+    ckpt_x = flat_params(model).clone()
     train_steps(rank, model, opt, 3, 3)
     opt.synchronize()
     straight = flat_params(model).clone()
@@ -71,6 +74,10 @@ def _dcp_round_trip(rank, n, case, flatten):
 
     model = make_model(50 + rank)  # other weights: everything must come from the checkpoint
     opt = CASES[case](model.parameters(), model)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
     try:
         set_state_dict(model, opt, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
     except ValueError as e:
@@ -80,22 +87,29 @@ def _dcp_round_trip(rank, n, case, flatten):
     train_steps(rank, model, opt, 3, 3)
     opt.synchronize()
     err = (flat_params(model) - straight).abs().max().item()
+    moved = (straight - ckpt_x).abs().max().item()
     opt.shutdown()
-    return dict(side_effect=side_effect, err=err, restored_t=restored_t)
+    return dict(side_effect=side_effect, err=err, restored_t=restored_t, moved=moved, logged=logged)
 
 
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dcp_get_set_state_dict_round_trip_is_exact(case, flatten):
     """Both forms: flatten_optimizer_state_dict=True (torchtitan's) rebuilds the state dict from the keys of the
-    live param groups and opt.state, so what the schedule needs must be there."""
+    live param groups and opt.state, so the schedule's entry must be in the live group 0. What a new optimizer has
+    no state name for yet cannot come back that way (as in any DCP load into a new optimizer): the int8 wire's
+    copies restart from zero on every rank (logged; the resume is sane, not exact), a delayed_mix round in flight
+    is refused."""
     for r in run_ranks(_dcp_round_trip, 3, case, flatten, timeout=300):
         assert r["side_effect"] == 0, r
-        if flatten and case == "dadamw-int8-delayed":
-            # the int8 wire's copies have per-neighbour names a new optimizer does not have: refused, not dropped
-            assert "int8_wire" in r.get("refused", "") and "flatten_optimizer_state_dict" in r["refused"], r
+        if flatten and case == "dadamw-delayed" and "refused" in r:
+            assert "delayed_mix round in flight" in r["refused"], r
             continue
         assert r["restored_t"] == 3, r
+        if flatten and case == "dadamw-int8":
+            assert any("no int8 wire copies" in m for m in r["logged"]), r
+            assert r["err"] < 0.02 * r["moved"], r  # a quantization error, not a lost or zero-mixed round
+            continue
         assert r["err"] < 1e-6, r
 
 

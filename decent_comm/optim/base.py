@@ -22,14 +22,14 @@ import torch
 from .. import ops
 from . import amp, diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads,
-                      gather_named_state, load_state, publish_named_state, publish_state, refine_classes, segments,
-                      spread_count, zero_grads)
+from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, drop_named_state,
+                      gather_grads, gather_named_state, load_state, publish_named_state, publish_state, refine_classes,
+                      segments, spread_count, zero_grads)
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
 from .plan import Cadence, MixInputs
 from .schedule import CORRECTION, MODES, GossipSchedule
-from .schedule_state import check_state_names
+from .schedule_state import check_schedule_state
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, verify_replicas)
 from .tracing import traced
@@ -337,15 +337,11 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
 
     def state_dict(self):
         self.synchronize()
-        pending = self._schedule.checkpoint_correction()
-        self._publish_correction(pending)
+        self._publish_correction(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
-        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict. With it, the names of the
-        # per-parameter state it needs back (a round in flight, the int8 wire's copies), checked on load.
-        where = self._show_schedule()
-        where["state_names"] = [CORRECTION] * pending + Int8Wire.state_names(self._buckets)
-        sd["param_groups"][0][SCHEDULE_KEY] = where
+        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
+        sd["param_groups"][0][SCHEDULE_KEY] = self._show_schedule()
         return sd
 
     def _show_schedule(self) -> dict:
@@ -363,8 +359,11 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         state_dict["param_groups"] = groups
         # before anything is loaded:
         self._check_group_options(groups)
-        check_state_names(extra, state_dict.get("state", {}))
+        int8_wire = self._schedule.wire is not None
+        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire)
         self._load_optimizer_state_dict(state_dict)
+        if restart_copies:
+            drop_named_state(self._buckets, self.state, WIRE_PREFIX)
         self._gather_correction()
         self._schedule.load_state_dict(extra)
         self._show_schedule()

@@ -346,6 +346,16 @@ def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, 
                 st.pop(name, None)
 
 
+def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
+    """Removes every flat buffer whose name starts with `prefix` and its views in opt.state (recreated zero on use)."""
+    for b in buckets:
+        for name in [n for n in b.state if n.startswith(prefix)]:
+            del b.state[name]
+    for st in state.values():
+        for name in [n for n in st if isinstance(n, str) and n.startswith(prefix)]:
+            del st[name]
+
+
 @torch.no_grad()
 def gather_named_state(buckets: List[Bucket], state, name: str) -> None:
     """After loading, opt.state[p][name] into each bucket's flat buffer `name` (load_state has put the fused

@@ -155,6 +155,15 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
 
+    def _check_group_options(self, groups):
+        super()._check_group_options(groups)
+        for index, group in enumerate(groups):  # torch >= 2.8 Adam groups say which decay: a checkpoint's must match
+            decoupled = group.get("decoupled_weight_decay")
+            if decoupled is not None and bool(decoupled) != self._decoupled:
+                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled}, "
+                                 f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
+                                 "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
+
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]
 

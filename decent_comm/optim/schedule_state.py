@@ -4,26 +4,43 @@ CORRECTION state); with the int8 wire the public copies it has advanced (optimiz
 consensus factor, from which the resumed run rebuilds the plan and mixes the copies as this run would have. Mixed
 into GossipSchedule, whose attributes it reads."""
 
+import logging
 from typing import Optional
 
 import torch
 
 from .. import ops
+from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
 
 #: opt.state key of a round in flight when a checkpoint was taken (its mix, added at the next round)
 CORRECTION = "delayed_mix_correction"
 
+log = logging.getLogger(__name__)
 
-def check_state_names(where: Optional[dict], saved_state: dict) -> None:
-    """Raises ValueError when the per-parameter state the saved schedule needs back is not in the state dict."""
-    have = {name for st in saved_state.values() for name in (st or {})}
-    missing = sorted(set((where or {}).get("state_names", ())) - have)
-    if missing:
-        raise ValueError(f"the state dict's gossip schedule needs per-parameter state {missing}, which the state dict "
-                         "lacks. torch.distributed.checkpoint's flattened form (flatten_optimizer_state_dict=True) "
-                         "keeps only the state names a newly built optimizer has: save and load with the nested form "
-                         "(the default), or save where no round is in flight and without comm_dtype=torch.int8")
+
+def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool):
+    """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
+    copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
+    a new one has no copies nor a delayed_mix round yet, so a checkpoint may lack them. A round in flight is
+    refused (its mix would be lost). Missing copies restart from zero on every rank alike (each rank's copy of a
+    peer still equals the peer's own; its first send is then the whole of x, quantized), and the round in flight at
+    the checkpoint is dropped (mixing it would read the zero copies as the neighbours' parameters): the resumed run
+    is sane but not exact, which is logged."""
+    if not where:
+        return where, False
+    names = {name for st in saved_state.values() for name in (st or {})}
+    if where.get("delayed_pending") and CORRECTION not in names:
+        raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
+                         "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
+                         "has (a new one has none in flight); save with torch.save, or where no round is in flight")
+    if int8_wire and int(where.get("step", 0)) > 0 and not any(n.startswith(WIRE_PREFIX) for n in names):
+        log.warning("the state dict has no int8 wire copies (torch.distributed.checkpoint loads only the state names "
+                    "the destination optimizer has, and a new one has none yet): every rank restarts them from zero "
+                    "and drops the round in flight, so the resumed run is not exact; torch.save'd state dicts carry "
+                    "them")
+        return dict(where, int8_wire_round=None), True
+    return where, False
 
 
 class ScheduleCheckpoint:

@@ -113,7 +113,9 @@ def replica_config(buckets, topology, param_groups, **options) -> dict:
     config.update({name: _plain(value) for name, value in options.items()})
     config["topology fingerprint"] = topology.fingerprint()
     config["bucket"] = [(b.numel, str(b.dtype), b.device.type) for b in buckets]  # follows from the above
-    config["param group"] = [_plain({k: v for k, v in g.items() if k != "params"}) for g in param_groups]
+    # not "decentralized": where a schedule stands (per rank), left in a group dict reused from another optimizer
+    config["param group"] = [_plain({k: v for k, v in g.items() if k not in ("params", "decentralized")})
+                             for g in param_groups]
     return config
 
 
