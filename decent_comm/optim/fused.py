@@ -157,10 +157,12 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
 
     def _check_group_options(self, groups):
         super()._check_group_options(groups)
-        for index, group in enumerate(groups):  # torch >= 2.8 Adam groups say which decay: a checkpoint's must match
+        # torch's Adam groups say which decay they apply: a checkpoint's must match where there is any decay
+        for index, group in enumerate(groups):
             decoupled = group.get("decoupled_weight_decay")
-            if decoupled is not None and bool(decoupled) != self._decoupled:
-                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled}, "
+            if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
+                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled} and "
+                                 f"weight_decay={group['weight_decay']}, "
                                  f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
                                  "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
 
