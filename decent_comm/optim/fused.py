@@ -161,8 +161,8 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         for index, group in enumerate(groups):
             decoupled = group.get("decoupled_weight_decay")
             if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
-                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled} and "
-                                 f"weight_decay={group['weight_decay']}, "
+                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled} "
+                                 f"and weight_decay={group['weight_decay']}, "
                                  f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
                                  "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
 
