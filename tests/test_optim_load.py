@@ -194,7 +194,7 @@ def test_a_checkpoint_with_the_other_weight_decay_is_refused(ctor, ref_ctor):
     if "decoupled_weight_decay" not in saved["param_groups"][0]:
         pytest.skip("this torch's Adam groups do not say which weight decay")
     opt = ctor(model().parameters(), **HP)
-    with pytest.raises(ValueError, match="param group 0 has decoupled_weight_decay"):
+    with pytest.raises(ValueError, match=r"param group 0\): decoupled_weight_decay=(True|False) with weight_decay"):
         opt.load_state_dict(saved)
     saved["param_groups"][0]["weight_decay"] = 0.0  # no decay: nothing to disagree on
     opt.load_state_dict(saved)
@@ -211,3 +211,59 @@ def test_param_groups_reused_from_another_optimizer_pass_the_replica_check():
     mine, peer = ([dict(new.param_groups[0], decentralized={"rank": r, "step": 7})] for r in (0, 1))
     topo = new._schedule.topology
     assert replica_config(new._buckets, topo, mine) == replica_config(new._buckets, topo, peer)
+
+
+HOOKED = {"DAdamW": CASES["DAdamW"][0], "DSGD": CASES["DSGD"][0],
+          "Decentralized(AdamW)": lambda ps: decent_comm.Decentralized(torch.optim.AdamW(ps, **HP))}
+
+
+@pytest.mark.parametrize("name", sorted(HOOKED))
+def test_state_dict_hooks_see_what_torch_hooks_see(name):
+    """torch runs the state_dict hooks around the whole method: a state_dict post-hook sees (and may replace) the
+    finished dict, a load pre-hook sees (and may replace) the dict being loaded, a load post-hook the loaded state."""
+    m = model()
+    opt = HOOKED[name](m.parameters())
+    for t in range(2):
+        step(m, opt, t)
+    seen = {}
+    opt.register_state_dict_pre_hook(lambda o: seen.setdefault("sd_pre", True))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "seen": "decentralized" in sd["param_groups"][0]})
+    saved = copy.deepcopy(opt.state_dict())
+    assert seen["sd_pre"] and saved["seen"] is True
+
+    m2 = model(seed=1)
+    fresh = HOOKED[name](m2.parameters())
+
+    def load_pre(o, sd):
+        seen["states_given"] = len(sd["state"])
+        return {**sd, "param_groups": [{**g, "lr": 0.5} for g in sd["param_groups"]]}
+
+    def load_post(o):
+        seen["steps_after"] = [float(o.state[p]["step"]) for p in m2.parameters()]
+        seen["lr_after"] = [g["lr"] for g in o.param_groups]
+        if isinstance(o, decent_comm.Decentralized):
+            seen["shared"] = o.param_groups is o.inner.param_groups and o.state is o.inner.state
+
+    fresh.register_load_state_dict_pre_hook(load_pre)
+    fresh.register_load_state_dict_post_hook(load_post)
+    fresh.load_state_dict(saved)
+    assert seen["states_given"] == 4
+    assert seen["steps_after"] == [2.0] * 4
+    assert seen["lr_after"] == [0.5] and fresh.param_groups[0]["lr"] == 0.5
+    assert seen.get("shared", True)
+
+
+def test_the_wrapper_follows_a_load_into_its_inner_optimizer():
+    """torch's load_state_dict replaces an optimizer's param_groups and state by new objects: the wrapper must read
+    the inner optimizer's current ones, or an lr scheduler attached to it would update groups nobody reads."""
+    m = model()
+    inner = torch.optim.AdamW(m.parameters(), **HP)
+    opt = decent_comm.Decentralized(inner)
+    step(m, opt, 0)
+    inner.load_state_dict(copy.deepcopy(inner.state_dict()))
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.1)
+    assert inner.param_groups[0]["lr"] == pytest.approx(HP["lr"] * 0.1)
+    step(m, opt, 1)
+    sched.step()
+    assert float(opt.state[next(iter(m.parameters()))]["step"]) == 2.0

@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from . import amp, diagnostics
+from . import amp, diagnostics, state_dict_hooks
 from .adaptation import sq_dist, sum_scalars
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, drop_named_state,
                       gather_grads, gather_named_state, load_state, publish_named_state, publish_state, refine_classes,
@@ -323,7 +323,8 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
 
     def _optimizer_state_dict(self) -> dict:
         """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
-        return super().state_dict()
+        with state_dict_hooks.suspended(self):
+            return super().state_dict()
 
     def _load_optimizer_state_dict(self, state_dict: dict):
         saved_state = state_dict.get("state", {})
@@ -331,11 +332,15 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         # current parameters by position.
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
         param_of = dict(zip(saved_ids, self._param_list()))
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        with state_dict_hooks.suspended(self):
+            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         load_state(self._buckets, saved_state, param_of, self.state,
                    lambda b: self._state_names(self.param_groups[b.group_index]))
 
     def state_dict(self):
+        return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self):
         self.synchronize()
         self._publish_correction(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
@@ -352,7 +357,9 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         return dict(where)
 
     def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
+        state_dict_hooks.load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict):
         groups = [dict(g) for g in state_dict["param_groups"]]
         extra = state_dict.pop(SCHEDULE_KEY, None)
         extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
@@ -360,7 +367,8 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         # before anything is loaded:
         self._check_group_options(groups)
         int8_wire = self._schedule.wire is not None
-        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire)
+        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,
+                                                       len(self._param_list()))
         self._load_optimizer_state_dict(state_dict)
         if restart_copies:
             drop_named_state(self._buckets, self.state, WIRE_PREFIX)

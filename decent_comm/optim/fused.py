@@ -77,12 +77,12 @@ def _next(step):
 _TORCH_NAME = {"DSGD": "SGD", "DAdam": "Adam", "DAdamW": "AdamW"}
 
 
-def _reject_unsupported(name, **flags):
+def _reject_unsupported(cls_name, where="", **flags):
     for flag, value in flags.items():
         if value:
-            inner = _TORCH_NAME.get(name.split()[0], "Adam")
-            raise ValueError(f"{name}: {flag}=True is not supported by the fused kernels; wrap the torch optimizer "
-                             f"instead: decent_comm.Decentralized(torch.optim.{inner}(..., {flag}=True))")
+            inner = _TORCH_NAME.get(cls_name, "Adam")
+            raise ValueError(f"{cls_name}{where}: {flag}=True is not supported by the fused kernels; wrap the torch "
+                             f"optimizer instead: decent_comm.Decentralized(torch.optim.{inner}(..., {flag}=True))")
 
 
 class _FusedGroupOptions:
@@ -91,10 +91,14 @@ class _FusedGroupOptions:
     _UNSUPPORTED = ("maximize",)
 
     def _check_group_options(self, groups):
+        name = type(self).__name__
         for index, group in enumerate(groups):
-            for flag in self._UNSUPPORTED:
-                if group.get(flag):
-                    _reject_unsupported(f"{type(self).__name__} (param group {index})", **{flag: True})
+            where = f" (param group {index})"
+            _reject_unsupported(name, where, **{flag: group.get(flag) for flag in self._UNSUPPORTED})
+            self._check_group(group, name + where)
+
+    def _check_group(self, group, where):
+        """Class-specific checks of one group; `where` names the optimizer and the group for the message."""
 
 
 def _check_common(lr, weight_decay, eps=None, betas=None):
@@ -155,16 +159,13 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
 
-    def _check_group_options(self, groups):
-        super()._check_group_options(groups)
+    def _check_group(self, group, where):
         # torch's Adam groups say which decay they apply: a checkpoint's must match where there is any decay
-        for index, group in enumerate(groups):
-            decoupled = group.get("decoupled_weight_decay")
-            if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
-                raise ValueError(f"{type(self).__name__}: param group {index} has decoupled_weight_decay={decoupled} "
-                                 f"and weight_decay={group['weight_decay']}, "
-                                 f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
-                                 "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
+        decoupled = group.get("decoupled_weight_decay")
+        if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
+            raise ValueError(f"{where}: decoupled_weight_decay={decoupled} with weight_decay={group['weight_decay']}, "
+                             f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
+                             "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]

@@ -19,14 +19,17 @@ CORRECTION = "delayed_mix_correction"
 log = logging.getLogger(__name__)
 
 
-def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool):
+def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool, num_params: int):
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
     copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
     a new one has no copies nor a delayed_mix round yet, so a checkpoint may lack them. A round in flight is
     refused (its mix would be lost). Missing copies restart from zero on every rank alike (each rank's copy of a
     peer still equals the peer's own; its first send is then the whole of x, quantized), and the round in flight at
     the checkpoint is dropped (mixing it would read the zero copies as the neighbours' parameters): the resumed run
-    is sane but not exact, which is logged."""
+    is sane but not exact, which is logged. Copies of only some of the `num_params` parameters (DCP drops the state of
+    parameters with requires_grad=False; a wrapped torch optimizer has none for a parameter that never had a
+    gradient) are loaded as they are: the others keep their values, equal on every rank, so the round in flight
+    mixes them as no change; also not exact, also logged."""
     if not where:
         return where, False
     names = {name for st in saved_state.values() for name in (st or {})}
@@ -40,6 +43,12 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
                     "and drops the round in flight, so the resumed run is not exact; torch.save'd state dicts carry "
                     "them")
         return dict(where, int8_wire_round=None), True
+    wire = {n for n in names if n.startswith(WIRE_PREFIX)}
+    complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
+    if int8_wire and wire and complete < num_params:
+        log.warning(f"the state dict has all the int8 wire copies of {complete} of the {num_params} parameters "
+                    "(torch.distributed.checkpoint drops the state of parameters with requires_grad=False): the others "
+                    "keep the copies they have, so the resumed run is not exact")
     return where, False
 
 

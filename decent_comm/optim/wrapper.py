@@ -29,11 +29,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
         opts = _split_options(decentralized)
         self.inner = inner
-        # Share (not copy) the inner optimizer's groups and state, so schedulers and user code that touch
-        # either object see the same values.
         self.defaults = inner.defaults
-        self.param_groups = inner.param_groups
-        self.state = inner.state
         # What torch.optim.Optimizer.__init__ sets up besides the groups: hook tables (OrderedDicts, which the
         # hooks' RemovableHandles reference weakly) and the step wrapper that runs the step hooks.
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -45,6 +41,13 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
         self._init_decentralized(**opts)
+
+    # The inner optimizer's groups and state, shared (not copied) and looked up at each use: schedulers and user
+    # code that touch either object see the same values, also after torch's load_state_dict on the inner optimizer
+    # replaced them by new objects.
+    param_groups = property(lambda self: self.inner.param_groups,
+                            lambda self, groups: setattr(self.inner, "param_groups", groups))
+    state = property(lambda self: self.inner.state, lambda self, state: setattr(self.inner, "state", state))
 
     def __repr__(self):
         return f"Decentralized({self.inner!r}, topology={self.topology.name!r}, mode={self.mode!r})"
@@ -81,22 +84,9 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             self._closure_loss = self.inner.step(self._closure) if self._closure is not None else self.inner.step()
 
     def _optimizer_state_dict(self) -> dict:
-        # torch runs an optimizer's state_dict hooks inside its own state_dict(): the inner one runs the inner
-        # optimizer's, these are the ones registered on this wrapper.
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        sd = self.inner.state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            sd = hook(self, sd) or sd
-        return sd
+        # this wrapper's state_dict hooks run around the whole (DecentralizedMixin.state_dict); the inner
+        # optimizer's state_dict runs the inner optimizer's
+        return self.inner.state_dict()
 
     def _load_optimizer_state_dict(self, state_dict: dict):
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
         self.inner.load_state_dict(state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-        # torch's load_state_dict replaces the inner optimizer's param_groups (and state) by new objects: share
-        # them again, or an lr scheduler attached to this wrapper would update groups the inner step never reads
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
