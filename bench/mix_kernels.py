@@ -108,6 +108,21 @@ def roofline_bandwidth(n, seconds, reads: int, writes: int):
     return bw[same_shape[0]] if same_shape else max(bw.values())
 
 
+def footprint_roofline_kernels(nbytes: int, n: int, device, cap: int = 2**24):
+    """The roofline kernels of an op that moves `nbytes` over buffers of n elements and has no same-shape torch
+    kernel: each over buffers sized to move about as much (at least n, at most max(n, cap) elements: 64 MiB
+    buffers are out of any cache), so that no kernel runs from a last-level cache the op's larger working set does
+    not fit in (at 4M elements an op with copies moves 70-120 MB, copy_ over 4M-element buffers 32 MB).
+    Returns ({name: fn}, {name: bytes it moves})."""
+    fns, moved = {}, {}
+    for name, (reads, writes) in ROOFLINE_STREAMS.items():
+        m = min(max(n, nbytes // (4 * (reads + writes))), max(n, cap))
+        out, a, b = (torch.randn(m, device=device) for _ in range(3))
+        fns[name] = roofline_kernels(out, [a, b])[name]
+        moved[name] = m * 4 * (reads + writes)
+    return fns, moved
+
+
 def bench_mix(device, sizes, ks, nb_dtypes, repeats):
     rows = []
     for n in sizes:
@@ -204,11 +219,10 @@ def bench_int8_mix(device, sizes, ks, repeats):
     (mix_adam_ over k neighbours' public copies and this rank's own copy) and the ATC mix (gossip_mix_), against the
     two-pass way (int8_dequantize_add_ of each copy, then the same op reading the copies back), at the roofline of
     their bytes: x, grad, m, v as mix_adam_; each copy read and written (8 B), its levels (1 B) and scales; the own
-    copy read (4 B). No torch kernel has that stream shape, so the roofline is the best of copy_/add_/addcmul_."""
+    copy read (4 B). No torch kernel has that stream shape, so the roofline is the best of copy_/add_/addcmul_, each
+    over buffers as large as the op's (footprint_roofline_kernels)."""
     rows = []
     for n in sizes:
-        srcs = [torch.randn(n, device=device) for _ in range(2)]
-        x_copy = torch.randn(n, device=device)
         for k in ks:
             x, g = torch.randn(n, device=device), torch.randn(n, device=device)
             m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
@@ -241,9 +255,10 @@ def bench_int8_mix(device, sizes, ks, repeats):
 
             for op, fused, two_pass, base_bytes in (("mix_adam_", adam_fused, adam_two_pass, n * 4 * 7),
                                                     ("gossip_mix_", mix_fused, mix_two_pass, n * 4 * 2)):
-                t = time_all(device, {"ours": fused, "decode+mix": two_pass, **roofline_kernels(x_copy, srcs)},
-                             repeats)
-                copy_bw = roofline_bandwidth(n, t, reads=0, writes=0)  # no same-shape kernel: the best of the three
+                roof, roof_bytes = footprint_roofline_kernels(base_bytes + wire_bytes, n, device)
+                t = time_all(device, {"ours": fused, "decode+mix": two_pass, **roof}, repeats)
+                del roof
+                copy_bw = max(roof_bytes[name] / t.pop(name) for name in roof_bytes)
                 gbs = (base_bytes + wire_bytes) / t["ours"] / 1e9
                 rows.append(dict(
                     op=op, n=n, k=k, nb_dtype="int8", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,

@@ -1,5 +1,6 @@
 """The CPU loops' runtime dispatch (csrc/cpu/cpu_isa.h): every instruction set this CPU has gives the same bits as the
-x86-64 baseline, for the mix and optimizer ops (with the disagreement sum) and the int8 codec; a bad
+x86-64 baseline, for the mix and optimizer ops (with the disagreement sum), the int8 codec and the mixes that
+dequantize the 8-bit wire's payloads; a bad
 DECENT_COMM_CPU_ISA is a clear error."""
 
 import os
@@ -48,6 +49,24 @@ for xd in [torch.float32, torch.bfloat16, torch.float64]:
     r = torch.randn(100_003, generator=g)
     ops.int8_dequantize_add_(r, p)
     eat(c, p, r)
+for n in [7, 4097, 100_003]:  # the 8-bit wire's mix: P copies advanced inside the op, then the own copy
+    for copies in [1, 2, 3, 5]:
+        for xd in [torch.float32, torch.bfloat16]:
+            g = torch.Generator().manual_seed(n + copies)
+            pays = []
+            for _ in range(copies):
+                p = torch.empty(ops.int8_payload_nbytes(n + 3), dtype=torch.uint8)
+                ops.int8_encode_(torch.randn(n + 3, generator=g), torch.zeros(n + 3), p)
+                pays.append(p)
+            cs = [torch.randn(n, generator=g) for _ in range(copies)]
+            own, grad = torch.randn(n, generator=g), torch.randn(n, generator=g).to(xd)
+            x, m, v = torch.randn(n, generator=g).to(xd), torch.randn(n, generator=g), torch.rand(n, generator=g)
+            w, d = [0.5 / copies] * copies + [-0.5], torch.zeros(1)
+            ops.mix_adam_(x, [own], 1.0, w, grad, m, v, 3, 1e-3, weight_decay=0.01, decoupled=True, disagreement=d,
+                          copies=cs, payloads=pays, payload_offset=3)
+            x4, d4 = torch.randn(n, generator=g).to(xd), torch.zeros(1)
+            ops.gossip_mix_(x4, [own], 1.0, w, disagreement=d4, copies=cs, payloads=pays)
+            eat(x, m, v, d, x4, d4, *cs)
 print(_native.cpu_isa(), h.hexdigest())
 """
 

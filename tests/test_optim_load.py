@@ -267,3 +267,20 @@ def test_the_wrapper_follows_a_load_into_its_inner_optimizer():
     step(m, opt, 1)
     sched.step()
     assert float(opt.state[next(iter(m.parameters()))]["step"]) == 2.0
+
+
+@pytest.mark.parametrize("name", ["DAdamW", "DSGD"])
+def test_a_tensor_lr_trains_as_torch_does(name):
+    """torch.optim takes lr as a 0-dim tensor (schedulers then fill_ it in place; DCP keeps it a tensor)."""
+    ctor, ref_ctor = CASES[name]
+    m, ref = model(), model()
+    opt, ref_opt = ctor(m.parameters()), ref_ctor(ref.parameters())
+    for o in (opt, ref_opt):
+        o.param_groups[0]["lr"] = torch.tensor(HP["lr"])
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    for t in range(5):
+        for mm, o, s in ((m, opt, scheds[0]), (ref, ref_opt, scheds[1])):
+            step(mm, o, t)
+            s.step()
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert_same(params(m), params(ref), exact=False)
