@@ -6,6 +6,11 @@
 // code from a header of torch or the standard library, so no AVX2 instance of an inline function can reach a CPU
 // without AVX2 through the linker. The math is the same IEEE operations in every variant (no FMA contraction:
 // -ffp-contract=off; sums in a fixed order), so every variant gives the same bits, which tests check.
+//
+// The AVX-512 variant uses AVX-512's instructions on 256-bit vectors (prefer-vector-width=256, GCC's own choice for
+// -march=skylake-avx512 and later Intel parts): these loops stream memory, and on an AVX-512 AMD EPYC, one thread, 64M
+// elements (bench/mix_kernels.py), the 512-bit loops ran at 88-94% of torch's same-shape kernels where the 256-bit
+// ones run at 100-102%, as fast as the AVX2 variant (issue #19 saw the same kind of gap, 1.2-1.35x, on a Xeon).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +18,8 @@
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define DC_X86_DISPATCH 1
 #define DC_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define DC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define DC_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=256")))
 #else
 #define DC_X86_DISPATCH 0
 #define DC_TARGET_AVX2
