@@ -51,7 +51,9 @@ class Exchanger {
   void wait(int64_t bucket);
   void wait_all();            // wait() on every bucket in flight, in issue order
   void synchronize();         // wait_all(), then block the host until every transfer completed
-  void shutdown();            // synchronize() and release the transport; idempotent; no raise after a failure
+  // synchronize() and release the transport; idempotent. After a failure a call has raised, it only closes; a
+  // failure no call has raised yet (one the watchdog found) is raised here once, as any call would raise it.
+  void shutdown();
 
   int rank() const { return transport_->rank(); }
   int world_size() const { return transport_->world_size(); }

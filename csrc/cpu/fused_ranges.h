@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../kernels/fused_launch.h"
 #include "cpu_isa.h"
@@ -90,6 +91,8 @@ struct LoopContext {
 template <DType XD, DType ND, typename Update, int K>
 struct SinglePass {
   using Result = void;
+  // The plain mix over neighbours of x's dtype only streams memory: 256-bit AVX-512 vectors (cpu_isa.h).
+  static constexpr bool kNarrowVectors = std::is_same_v<Update, MixUpdate> && XD == ND;
   static DC_ALWAYS_INLINE void run(const void* ctx, int64_t begin, int64_t end) {
     using M = typename Typed<XD, ND>::M;
     const auto& c = *static_cast<const LoopContext<XD, ND>*>(ctx);
@@ -117,6 +120,8 @@ struct SinglePass {
 template <DType XD, DType ND, typename Update, int K>
 struct SinglePassTracked {
   using Result = double;
+  // The plain mix over neighbours of x's dtype only streams memory: 256-bit AVX-512 vectors (cpu_isa.h).
+  static constexpr bool kNarrowVectors = std::is_same_v<Update, MixUpdate> && XD == ND;
   static DC_ALWAYS_INLINE double run(const void* ctx, int64_t begin, int64_t end) {
     using M = typename Typed<XD, ND>::M;
     const auto& c = *static_cast<const LoopContext<XD, ND>*>(ctx);
@@ -148,6 +153,8 @@ struct SinglePassTracked {
 template <DType XD, DType ND, typename Update>
 struct Blocked {
   using Result = double;
+  // The plain mix over neighbours of x's dtype only streams memory: 256-bit AVX-512 vectors (cpu_isa.h).
+  static constexpr bool kNarrowVectors = std::is_same_v<Update, MixUpdate> && XD == ND;
   static DC_ALWAYS_INLINE double run(const void* ctx, int64_t begin, int64_t end) {
     using M = typename Typed<XD, ND>::M;
     const auto& c = *static_cast<const LoopContext<XD, ND>*>(ctx);
