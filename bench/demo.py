@@ -42,7 +42,7 @@ log = logging.getLogger("demo")
 ACCUM_STEPS = 4
 # The cluster race: DDP's 200 steps set the target (its final loss x 1.02); periodic averaging every 8 steps is what
 # torch's PostLocalSGDOptimizer offers; the last is the README's recommendation for slow links.
-CLUSTER_CONFIGS = "ddp/s200;periodic8/s300;one-peer-exp/awc/k2/bf16/delayed/s250"
+CLUSTER_CONFIGS = "ddp/s200;periodic8/s300;one-peer-hypercube/awc/int8/s250"
 CLUSTER_COMMAND = "sudo .venv/bin/python bench/time_to_target.py --quick"
 
 
@@ -125,7 +125,7 @@ def cluster_race(args):
         print(f"\nThe emulated-cluster race (time to DDP's loss on slow links) needs network namespaces ({why}): "
               f"{CLUSTER_COMMAND}")
         return
-    steps = ["--configs", "ddp/s20;periodic8/s30;one-peer-exp/awc/k2/bf16/delayed/s30", "--eval-every", "10"] \
+    steps = ["--configs", "ddp/s20;periodic8/s30;one-peer-hypercube/awc/int8/s30", "--eval-every", "10"] \
         if args.quick else ["--configs", CLUSTER_CONFIGS]
     time_to_target.main(["--layouts", "4x1", "--links", "comm", "--seeds", str(args.seed), *steps,
                          "--out", os.path.join(args.out, "cluster")])
