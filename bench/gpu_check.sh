@@ -84,7 +84,7 @@ status=$?
 echo "gpu_check: GPU verdict (exit $status) after ${SECONDS} s"
 
 # After the verdict, and bounded: CPU work that a slow host must not let push the GPU verdict past the call's limit.
-step "the CPU loops on this host (issue #19: the AVX-512 variant has not executed on the development machines)"
+step "the CPU loops on this host (issue #19: AVX-512 and AVX2 on another host CPU, e.g. an Intel Xeon)"
 ISA="$("$PY" -c "from decent_comm import _native; print(_native.cpu_isa())")"
 echo "decent_comm CPU loops: $ISA"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cpu_dispatch.py > "$OUT_DIR/cpu_dispatch_tests.log" 2>&1
