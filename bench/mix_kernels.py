@@ -9,7 +9,7 @@ and the memory roofline: the bandwidth of the in-place single-pass torch kernel 
 (x.add_(y) for k = 1, x.addcmul_(y, z) for k = 2), else the best of x.copy_(y), add_ and addcmul_ (see
 roofline_bandwidth), plus lerp_ (one pass, k = 1) as a named baseline.
 GB/s counts the minimum bytes an op must move (read x and every neighbour once, write x once).
-mix_adam_ is compared with torch.optim.AdamW (foreach on CPU, fused on CUDA) followed by the same mix.
+mix_adam_ and mix_sgd_ (momentum) are compared with torch.optim.AdamW / SGD (foreach on CPU, fused on CUDA) followed by the same mix.
 The 8-bit wire's mixes (neighbour "int8": the payloads dequantized inside the kernel) are compared with the two-pass
 way, int8_dequantize_add_ then the op (see bench_int8_mix).
 
@@ -106,6 +106,45 @@ def roofline_bandwidth(n, seconds, reads: int, writes: int):
     bw = {name: (r + w) * n * 4 / seconds.pop(name) for name, (r, w) in ROOFLINE_STREAMS.items()}
     same_shape = [name for name, shape in ROOFLINE_STREAMS.items() if shape == (reads, writes)]
     return bw[same_shape[0]] if same_shape else max(bw.values())
+
+
+def bench_sgd(device, sizes, ks, repeats):
+    """mix_sgd_ with momentum (the DSGD step) against torch.optim.SGD (foreach / fused) followed by the same mix."""
+    rows = []
+    for n in sizes:
+        srcs = [torch.randn(n, device=device) for _ in range(2)]
+        x_copy = torch.randn(n, device=device)
+        for k in ks:
+            p = torch.nn.Parameter(torch.randn(n, device=device))
+            p.grad = torch.randn(n, device=device)
+            ys = [torch.randn(n, device=device) for _ in range(k)]
+            sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
+            opt_kw = dict(fused=True) if device == "cuda" else dict(foreach=True)
+            opt = torch.optim.SGD([p], lr=1e-3, momentum=0.9, weight_decay=0.01, **opt_kw)
+            x, g, buf = torch.randn(n, device=device), p.grad.detach().clone(), torch.zeros(n, device=device)
+
+            def ours():
+                ops.mix_sgd_(x, ys, sw, ws, g, buf, 1e-3, momentum=0.9, weight_decay=0.01)
+
+            def torch_sgd_then_mix():
+                with torch.no_grad():
+                    x_old = p.detach().clone()
+                    opt.step()
+                    delta = p.detach().sub_(x_old)
+                    p.detach().copy_(x_old).mul_(sw)
+                    for y, w in zip(ys, ws):
+                        p.detach().add_(y, alpha=w)
+                    p.detach().add_(delta)
+
+            t = time_all(device, {"ours": ours, "sgd+mix": torch_sgd_then_mix, "sgd_only": lambda: opt.step(),
+                                  **roofline_kernels(x_copy, srcs)}, repeats)
+            copy_bw = roofline_bandwidth(n, t, reads=3 + k, writes=2)
+            gbs = n * 4 * (3 + 2 + k) / t["ours"] / 1e9  # read x, g, buf, k neighbours; write x, buf
+            rows.append(dict(op="mix_sgd_", n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs,
+                             roofline_gbps=copy_bw / 1e9, pct_roofline=100 * gbs / (copy_bw / 1e9),
+                             speedup={name: t[name] / t["ours"] for name in t if name != "ours"}))
+            print(format_row(rows[-1]), flush=True)
+    return rows
 
 
 def footprint_roofline_kernels(nbytes: int, n: int, device, cap: int = 2**24):
@@ -283,7 +322,7 @@ def main():
     ap.add_argument("--sizes", default=None, help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
-    ap.add_argument("--only", default=None, help="comma-separated parts to run: mix,adam,int8 (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated parts to run: mix,adam,sgd,int8 (default: all)")
     ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
@@ -309,10 +348,12 @@ def main():
         print(f"\nthreads {torch.get_num_threads()}")
         print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
         print("|--------------|-------|---|----------|--------|----------|----------------------|")
-        only = set(args.only.split(",")) if args.only else {"mix", "adam", "int8"}
+        only = set(args.only.split(",")) if args.only else {"mix", "adam", "sgd", "int8"}
         part = bench_mix(args.device, sizes, ks, nb_dtypes, repeats) if "mix" in only else []
         if "adam" in only:
             part += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
+        if "sgd" in only:
+            part += bench_sgd(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)
         if "int8" in only:
             part += bench_int8_mix(args.device, sizes, [1] if args.quick else [1, 2], repeats)
         for r in part:
