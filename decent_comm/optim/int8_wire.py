@@ -21,7 +21,8 @@ of a block. The first round sends x itself (the copies start at zero).
 
 Bytes on the wire: numel (padded to a block) + 4 per block, about 0.25x fp32 and 0.5x bf16. Memory: one float32
 copy of the bucket per send set and per (neighbour, send set): ring 3, one-peer-exp and one-peer-hypercube
-2 log2(n) (`copies_per_rank`). Group (all-reduce) steps do not apply: the int8 wire gossips point to point.
+2 log2(n) (`copies_per_rank`), allocated at construction for a static topology (`Int8Wire.allocate_copies`).
+Group (all-reduce) steps do not apply: the int8 wire gossips point to point.
 """
 
 from typing import Dict, List, Set
@@ -59,16 +60,31 @@ def _key(ranks) -> str:
     return "_".join(str(r) for r in ranks)
 
 
-def copies_per_rank(topology: Topology, rank: int) -> int:
-    """Float32 copies of the parameters the int8 wire keeps on `rank` for a (static) topology, over its period."""
+def _own_name(send) -> str:
+    """The state name of this rank's copy of itself held by the receivers `send`."""
+    return f"{PREFIX}_to_{_key(send)}"
+
+
+def _peer_name(j: int, send_of_j) -> str:
+    """The state name of this rank's copy of neighbour j, which j sends to `send_of_j` at that step."""
+    return f"{PREFIX}_from_{j}_to_{_key(send_of_j)}"
+
+
+def copy_names(topology: Topology, rank: int) -> Set[str]:
+    """The state names of every public copy `rank` keeps for a (static) topology, over its period (at most 4096
+    steps)."""
     names = set()
     for t in range(min(topology.period, 4096)):
         peers = topology.peers(rank, t)
         if peers.send:
-            names.add(("to", _key(peers.send)))
-        for j, _ in peers.recv:
-            names.add((j, _key(topology.peers(j, t).send)))
-    return len(names)
+            names.add(_own_name(peers.send))
+        names.update(_peer_name(j, topology.peers(j, t).send) for j, _ in peers.recv)
+    return names
+
+
+def copies_per_rank(topology: Topology, rank: int) -> int:
+    """Float32 copies of the parameters the int8 wire keeps on `rank` for a (static) topology, over its period."""
+    return len(copy_names(topology, rank))
 
 
 class Int8Wire:
@@ -83,16 +99,21 @@ class Int8Wire:
     def payload_buffer(self, b) -> torch.Tensor:
         return torch.empty(payload_nbytes(b.numel, self.block), dtype=torch.uint8, device=b.device)
 
-    def _own_name(self, plan) -> str:
-        return f"{PREFIX}_to_{_key(plan.send)}"
+    def allocate_copies(self, buckets) -> None:
+        """Every copy of a static topology's period in every bucket, zero (as on first use), at construction: opt.state
+        then names them from the start, so torch.distributed.checkpoint, which loads only the state names the
+        destination optimizer has, brings them back into a new optimizer, and the resume is exact."""
+        names = sorted(copy_names(self.topology, self.rank))
+        for b in buckets:
+            for name in names:
+                b.state_buffer(name)
 
     def _peer_names(self, plan) -> List[str]:
         # Every bucket of a round asks with the same plan: the names of the last one are kept (one topology.peers
         # call per neighbour and round, not per bucket).
         key = (plan.topo_step, tuple(plan.recv))
         if self._names_of[0] != key:
-            self._names_of = (key, [f"{PREFIX}_from_{j}_to_{_key(self.topology.peers(j, plan.topo_step).send)}"
-                                    for j in plan.recv])
+            self._names_of = (key, [_peer_name(j, self.topology.peers(j, plan.topo_step).send) for j in plan.recv])
         return self._names_of[1]
 
     def encode(self, b, plan) -> torch.Tensor:
@@ -100,7 +121,7 @@ class Int8Wire:
         payload = self._payload.get(b.index)
         if payload is None:
             payload = self._payload[b.index] = self.payload_buffer(b)
-        encode_(b.flat, b.state_buffer(self._own_name(plan)), payload, self.block)
+        encode_(b.flat, b.state_buffer(_own_name(plan.send)), payload, self.block)
         self._undecoded.add(b.index)
         return payload
 
@@ -109,7 +130,7 @@ class Int8Wire:
         rank's own copy. The payloads of the last exchange launched are added to the copies once: by the mix kernel
         that reads them when `fuse` (returned as MixInputs.copies with their payloads), else here, now."""
         copies = [b.state_buffer(n) for n in self._peer_names(plan)]
-        own = b.state_buffer(self._own_name(plan))
+        own = b.state_buffer(_own_name(plan.send))
         if b.index not in self._undecoded:
             return MixInputs(copies + [own])
         self._undecoded.discard(b.index)

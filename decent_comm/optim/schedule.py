@@ -94,6 +94,8 @@ class GossipSchedule(ScheduleCheckpoint):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
             if self.groups is not None:  # what each candidate really moves per step
                 topology.costs = [self.groups.buffers_per_rank(i, world_size) for i in range(len(topology.candidates))]
+        if self.wire is not None and self.adaptive is None:  # an adaptive topology's copies come as it decides
+            self.wire.allocate_copies(buckets)
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
                                                                        and self.adaptive.needs_stats))
 
