@@ -5,6 +5,7 @@ start-up checks that every rank holds the same replica and configuration."""
 import datetime
 import math
 import os
+import pickle
 import weakref
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange.arrival import wait_for_ranks
+from ..exchange.arrival import group_timeout_s, wait_for_ranks
 
 
 def distributed_context(process_group):
@@ -136,11 +137,23 @@ def _difference(name, mine, ref) -> str:
 def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
     """Every rank gathers every rank's `config` (replica_config) and raises the same error naming the first
     rank and the first option that differ from rank 0, so no rank goes on to exchange mismatched buffers.
-    The first collective of a construction: the ranks first meet within `timeout` (seconds; None: the group's
-    own), else every rank raises ExchangeTimeout naming the ranks that did not come (exchange.arrival)."""
-    wait_for_ranks(process_group, timeout_seconds(timeout), "building the optimizer")
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, config, group=process_group)
+    The first meeting of a construction: the ranks meet within `timeout` (seconds; None: the group's own), else
+    every rank raises ExchangeTimeout naming the ranks that did not come (exchange.arrival). The configs travel
+    through the default group's store, not a gloo collective: gloo's worker thread drops its references to a
+    collective's tensors just after the caller's wait returns, and in a script that ends right after a refused
+    construction that could fall into interpreter finalization, where taking the GIL kills the process
+    ("terminate called without an active exception", seen in the fault matrix's options cell)."""
+    seconds = timeout_seconds(timeout)
+    base = wait_for_ranks(process_group, seconds, "building the optimizer")
+    if world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{base}/config{dist.get_rank(process_group)}", pickle.dumps(config))
+    keys = [f"{base}/config{r}" for r in range(world_size)]
+    # every rank has arrived and sets its config next (a rank that dies in between: the wait times out)
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    store.wait(keys, datetime.timedelta(seconds=group_timeout_s(group) if seconds is None else seconds))
+    everyone = [pickle.loads(store.get(k)) for k in keys]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         for name, value in other.items():
