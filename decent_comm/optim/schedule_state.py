@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool, num_params: int):
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
     copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
-    a new one has no copies nor a delayed_mix round yet, so a checkpoint may lack them. A round in flight is
+    a new one has no delayed_mix round yet (nor, with an adaptive topology, every copy), so a checkpoint may lack
+    them. A round in flight is
     refused (its mix would be lost). Missing copies restart from zero on every rank alike (each rank's copy of a
     peer still equals the peer's own; its first send is then the whole of x, quantized), and the round in flight at
     the checkpoint is dropped (mixing it would read the zero copies as the neighbours' parameters): the resumed run
