@@ -108,45 +108,6 @@ def roofline_bandwidth(n, seconds, reads: int, writes: int):
     return bw[same_shape[0]] if same_shape else max(bw.values())
 
 
-def bench_sgd(device, sizes, ks, repeats):
-    """mix_sgd_ with momentum (the DSGD step) against torch.optim.SGD (foreach / fused) followed by the same mix."""
-    rows = []
-    for n in sizes:
-        srcs = [torch.randn(n, device=device) for _ in range(2)]
-        x_copy = torch.randn(n, device=device)
-        for k in ks:
-            p = torch.nn.Parameter(torch.randn(n, device=device))
-            p.grad = torch.randn(n, device=device)
-            ys = [torch.randn(n, device=device) for _ in range(k)]
-            sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
-            opt_kw = dict(fused=True) if device == "cuda" else dict(foreach=True)
-            opt = torch.optim.SGD([p], lr=1e-3, momentum=0.9, weight_decay=0.01, **opt_kw)
-            x, g, buf = torch.randn(n, device=device), p.grad.detach().clone(), torch.zeros(n, device=device)
-
-            def ours():
-                ops.mix_sgd_(x, ys, sw, ws, g, buf, 1e-3, momentum=0.9, weight_decay=0.01)
-
-            def torch_sgd_then_mix():
-                with torch.no_grad():
-                    x_old = p.detach().clone()
-                    opt.step()
-                    delta = p.detach().sub_(x_old)
-                    p.detach().copy_(x_old).mul_(sw)
-                    for y, w in zip(ys, ws):
-                        p.detach().add_(y, alpha=w)
-                    p.detach().add_(delta)
-
-            t = time_all(device, {"ours": ours, "sgd+mix": torch_sgd_then_mix, "sgd_only": lambda: opt.step(),
-                                  **roofline_kernels(x_copy, srcs)}, repeats)
-            copy_bw = roofline_bandwidth(n, t, reads=3 + k, writes=2)
-            gbs = n * 4 * (3 + 2 + k) / t["ours"] / 1e9  # read x, g, buf, k neighbours; write x, buf
-            rows.append(dict(op="mix_sgd_", n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs,
-                             roofline_gbps=copy_bw / 1e9, pct_roofline=100 * gbs / (copy_bw / 1e9),
-                             speedup={name: t[name] / t["ours"] for name in t if name != "ours"}))
-            print(format_row(rows[-1]), flush=True)
-    return rows
-
-
 def footprint_roofline_kernels(nbytes: int, n: int, device, cap: int = 2**24):
     """The roofline kernels of an op that moves `nbytes` over buffers of n elements and has no same-shape torch
     kernel: each over buffers sized to move about as much (at least n, at most max(n, cap) elements: 64 MiB
@@ -204,7 +165,11 @@ def bench_mix(device, sizes, ks, nb_dtypes, repeats):
     return rows
 
 
-def bench_adam(device, sizes, ks, repeats):
+def bench_fused_update(device, sizes, ks, repeats, op, baseline, make_torch, make_ours, n_state):
+    """A fused optimizer op against its torch optimizer `baseline` (foreach on CPU, fused on CUDA) followed by the
+    same mix, and against that optimizer's step alone. `make_torch(params, **kw)` builds the torch optimizer,
+    `make_ours(x, ys, sw, ws, g, state)` returns one call of the op; the op reads x, g, its `n_state` float32 state
+    buffers and k neighbours, and writes x and the state."""
     rows = []
     for n in sizes:
         srcs = [torch.randn(n, device=device) for _ in range(2)]
@@ -214,18 +179,11 @@ def bench_adam(device, sizes, ks, repeats):
             p.grad = torch.randn(n, device=device)
             ys = [torch.randn(n, device=device) for _ in range(k)]
             sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
-            opt_kw = dict(fused=True) if device == "cuda" else dict(foreach=True)
-            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **opt_kw)
-            x = torch.randn(n, device=device)
-            g = p.grad.detach().clone()
-            m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
-            step = [0]
+            opt = make_torch([p], **(dict(fused=True) if device == "cuda" else dict(foreach=True)))
+            x, g = torch.randn(n, device=device), p.grad.detach().clone()
+            ours = make_ours(x, ys, sw, ws, g, [torch.zeros(n, device=device) for _ in range(n_state)])
 
-            def ours():
-                step[0] += 1
-                ops.mix_adam_(x, ys, sw, ws, g, m, v, step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
-
-            def torch_adamw_then_mix():
+            def torch_step_then_mix():
                 # AWC needs the pre-update x for the mix; the unfused way keeps a copy of it.
                 with torch.no_grad():
                     x_old = p.detach().clone()
@@ -236,21 +194,38 @@ def bench_adam(device, sizes, ks, repeats):
                         p.detach().add_(y, alpha=w)
                     p.detach().add_(delta)
 
-            def torch_adamw_only():
-                opt.step()
-
-            t = time_all(device, {"ours": ours, "adamw+mix": torch_adamw_then_mix, "adamw_only": torch_adamw_only,
+            t = time_all(device, {"ours": ours, f"{baseline}+mix": torch_step_then_mix, f"{baseline}_only": opt.step,
                                   **roofline_kernels(x_copy, srcs)}, repeats)
-            copy_bw = roofline_bandwidth(n, t, reads=4 + k, writes=3)
-            min_bytes = n * 4 * (4 + 3 + k)  # read x, g, m, v, k neighbours; write x, m, v
-            gbs = min_bytes / t["ours"] / 1e9
+            copy_bw = roofline_bandwidth(n, t, reads=2 + n_state + k, writes=1 + n_state)
+            gbs = n * 4 * (3 + 2 * n_state + k) / t["ours"] / 1e9  # the minimum bytes: see the docstring
             rows.append(dict(
-                op="mix_adam_", n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
+                op=op, n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
                 pct_roofline=100 * gbs / (copy_bw / 1e9),
                 speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
             ))
             print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def bench_adam(device, sizes, ks, repeats):
+    def make_ours(x, ys, sw, ws, g, state):
+        step = [0]
+
+        def ours():
+            step[0] += 1
+            ops.mix_adam_(x, ys, sw, ws, g, *state, step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+        return ours
+    return bench_fused_update(device, sizes, ks, repeats, "mix_adam_", "adamw",
+                              lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw), make_ours, 2)
+
+
+def bench_sgd(device, sizes, ks, repeats):
+    """mix_sgd_ with momentum (the DSGD step) against torch.optim.SGD followed by the same mix."""
+    def make_ours(x, ys, sw, ws, g, state):
+        return lambda: ops.mix_sgd_(x, ys, sw, ws, g, state[0], 1e-3, momentum=0.9, weight_decay=0.01)
+    return bench_fused_update(device, sizes, ks, repeats, "mix_sgd_", "sgd",
+                              lambda ps, **kw: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, weight_decay=0.01, **kw),
+                              make_ours, 1)
 
 
 def bench_int8_mix(device, sizes, ks, repeats):
