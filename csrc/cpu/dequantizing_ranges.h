@@ -106,11 +106,7 @@ struct DequantizingSinglePass {
         }
         s0 = s1;
       }
-      if constexpr (kTracked) {
-        M lanes[8] = {};
-        for (int64_t i = 0; i < c1 - c0; ++i) lanes[i & 7] += sq[i];
-        for (M lane : lanes) partial += double(lane);
-      }
+      if constexpr (kTracked) add_block_sum(partial, sq, c1 - c0);
     }
     if constexpr (kTracked) return partial;
   }

@@ -112,6 +112,15 @@ struct SinglePass {
   }
 };
 
+// partial += sum of sq[0, len) (a block's squared changes), in eight independent lanes (no serial add chain), then
+// lane by lane in double: a fixed order, so every instruction set gives the same sum.
+template <typename M>
+DC_ALWAYS_INLINE void add_block_sum(double& partial, const M* sq, int64_t len) {
+  M lanes[8] = {};
+  for (int64_t i = 0; i < len; ++i) lanes[i & 7] += sq[i];
+  for (M lane : lanes) partial += double(lane);
+}
+
 // The single pass with the disagreement output, sum((mixed - x_old)^2): per block of kBlock elements the main
 // loop (the same as SinglePass) also stores d^2 into an L1-resident block, which a second, short loop sums
 // in eight independent lanes; blocks add up in double, so precision does not depend on the buffer length. (An
@@ -139,9 +148,7 @@ struct SinglePassTracked {
         sq[i] = (mixed - x_old) * (mixed - x_old);
         t_local.template update<Update>(h_local, b0 + i, x_old, mixed);
       }
-      M lanes[8] = {};
-      for (int64_t i = 0; i < len; ++i) lanes[i & 7] += sq[i];
-      for (M lane : lanes) partial += double(lane);
+      add_block_sum(partial, sq, len);
     }
     return partial;
   }
