@@ -24,6 +24,19 @@ from .arrival import ExchangeError, ExchangeTimeout, ranks_text
 BLAME_GRACE_S = 2.0
 
 
+def swap(base: str, rank: int, ranks: Sequence[int], mine, seconds: float) -> Tuple[Dict[int, bytes], List[int]]:
+    """Puts `mine` (str or bytes) in the default group's store under `base` for this rank and waits up to `seconds`
+    for every rank of `ranks` to do the same: (every rank's value, []), or ({}, the ranks whose value did not come).
+    A failure of the store itself raises dist.DistError."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{base}/{rank}", mine)
+    try:
+        store.wait([f"{base}/{r}" for r in ranks], datetime.timedelta(seconds=seconds))
+    except dist.DistStoreError:
+        return {}, [r for r in ranks if not store.check([f"{base}/{r}"])]
+    return {r: store.get(f"{base}/{r}") for r in ranks}, []
+
+
 class Roster:
     def __init__(self, namespace: str, rank: int):
         self.namespace, self.rank = namespace, rank
@@ -41,18 +54,14 @@ class Roster:
         n = self._rounds[(bucket, g)] = self._rounds.get((bucket, g), 0) + 1
         base = f"{self.namespace}/agree/{bucket}/{'-'.join(map(str, g))}/{n}"
         where = f"decent_comm exchange: bucket {bucket}"
-        store = self._store()
         try:
-            store.set(f"{base}/{self.rank}", mine)
-            try:
-                store.wait([f"{base}/{r}" for r in g], datetime.timedelta(seconds=seconds))
-            except dist.DistStoreError:
-                missing = [r for r in g if not store.check([f"{base}/{r}"])]
+            sides, missing = swap(base, self.rank, g, mine, seconds)
+            if missing:
                 return ExchangeTimeout(
                     f"{where} timed out after {seconds * 1e3:.0f} ms in the size/dtype agreement of the all-reduce "
                     f"among ranks {list(g)}: {ranks_text(missing)} did not reach it (a member died, is stuck, or "
                     "runs another schedule); nothing was sent")
-            sides = {r: store.get(f"{base}/{r}").decode() for r in g}
+            sides = {r: v.decode() for r, v in sides.items()}
         except dist.DistError as e:  # the store itself failed
             return ExchangeError(f"{where}: the size/dtype agreement of the all-reduce among ranks {list(g)} failed: "
                                  f"{e}")

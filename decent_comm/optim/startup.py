@@ -15,7 +15,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange.arrival import group_timeout_s, wait_for_ranks
+from ..exchange.arrival import ExchangeTimeout, group_timeout_s, ranks_text, wait_for_ranks
+from ..exchange.roster import swap
 
 
 def distributed_context(process_group):
@@ -147,13 +148,15 @@ def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
     base = wait_for_ranks(process_group, seconds, "building the optimizer")
     if world_size == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"{base}/config{dist.get_rank(process_group)}", pickle.dumps(config))
-    keys = [f"{base}/config{r}" for r in range(world_size)]
-    # every rank has arrived and sets its config next (a rank that dies in between: the wait times out)
+    # every rank has arrived and puts its config next (one that dies in between is named after the wait)
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    store.wait(keys, datetime.timedelta(seconds=group_timeout_s(group) if seconds is None else seconds))
-    everyone = [pickle.loads(store.get(k)) for k in keys]
+    seconds = group_timeout_s(group) if seconds is None else seconds
+    sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(config),
+                          seconds)
+    if missing:
+        raise ExchangeTimeout(f"decent_comm: building the optimizer: {ranks_text(missing)} arrived but did not send "
+                              f"its configuration within {seconds:g} s")
+    everyone = [pickle.loads(sides[r]) for r in range(world_size)]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         for name, value in other.items():
