@@ -12,9 +12,10 @@
 // skylake-avx512 and later Intel parts). Measured on an AVX-512 AMD EPYC, one thread, 16M-64M elements, the two
 // builds alternated in one session (bench/mix_kernels.py, bench/int8_codec.py, % of the roofline): the plain mix
 // streams memory and ran at 88-94% of torch's same-shape kernels with 512-bit vectors, 99-102% with 256-bit ones
-// (issue #19 saw the same kind of gap, 1.2-1.35x, on a Xeon), and the encoder at 76-85% against 92-97%; mix_adam_,
-// whose divide and square root make it compute-bound on one thread, ran at 93-117% with 512-bit vectors against
-// 68-95%, and the mixes that dequantize payloads and the decoder gained 5-15% from them too.
+// (issue #19 saw the same kind of gap, 1.2-1.35x, on a Xeon), and the encoder at 76-85% against 92-97%; mix_adam_
+// ran at 93-117% with 512-bit vectors against 68-95%, and the mixes that dequantize payloads and the decoder gained
+// 5-15% from them too. Those runs allocated every operand separately, all at one page offset, which costs the
+// narrower loops more (decent_comm/optim/flat_memory.py; the optimizers' buffers now lie apart).
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .flat_memory import flat_buffer
+
 # Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
 # some parameters have gradients keep the CUDA kernels on their vectorized path.
 _ALIGN_BYTES = 16
@@ -44,6 +46,7 @@ class Bucket:
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
+    lanes_used: int = 0  # flat buffers allocated so far: the next one starts in the next page lane (flat_memory)
 
     @property
     def steps(self) -> List[int]:
@@ -57,11 +60,16 @@ class Bucket:
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         return flat[slot.offset: slot.offset + slot.numel].view_as(slot.param)
 
+    def new_flat(self, dtype: Optional[torch.dtype] = None, zero: bool = True) -> torch.Tensor:
+        """A new flat buffer of this bucket's length (`dtype`, default the bucket's), in the next page lane."""
+        self.lanes_used += 1
+        return flat_buffer(self.numel, dtype or self.dtype, self.device, self.lanes_used - 1, zero)
+
     def state_buffer(self, name: str) -> torch.Tensor:
         """The flat float32 state buffer `name`, created zero-filled on first use."""
         buf = self.state.get(name)
         if buf is None:
-            buf = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            buf = self.new_flat(torch.float32)
             self.state[name] = buf
         return buf
 
@@ -109,8 +117,8 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
 
 
 def _materialize(b: Bucket) -> None:
-    b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-    b.grad = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+    b.flat = b.new_flat()
+    b.grad = b.new_flat()
     with torch.no_grad():
         for s in b.slots:
             view = b.view(b.flat, s)

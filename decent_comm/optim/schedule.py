@@ -147,7 +147,7 @@ class GossipSchedule(ScheduleCheckpoint):
     def _wire_buffer(self, b) -> torch.Tensor:
         if self.wire is not None:
             return self.wire.payload_buffer(b)
-        return torch.empty(b.numel, dtype=self.comm_dtype or b.dtype, device=b.device)
+        return b.new_flat(self.comm_dtype or b.dtype, zero=False)
 
     def _recv_buffers(self, b, k: int) -> List[torch.Tensor]:
         bufs = self._recv[b.index]

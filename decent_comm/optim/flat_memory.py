@@ -1,0 +1,39 @@
+"""Memory for the buckets' flat buffers: on CPU, each buffer of a bucket starts in its own 512-byte lane of the 4 KiB
+page, so the streams one fused op reads and writes side by side (parameters, gradients, state, neighbours' copies)
+never start at the same offset in a page.
+
+Why: equal-sized tensors allocated one after another (as torch.zeros for each buffer did) start at the same page
+offset, a whole number of pages apart, and then element i of every stream lives in the same L1 cache set with the
+same low 12 address bits. On the 2-core AVX-512 AMD EPYC of docs/benchmarks.md ("Where the buffers lie"), 16M
+elements, one thread: mix_adam_ over separately allocated operands ran at 66-91% of the memory roofline with the AVX2
+loops, at 91-118% with its operands in distinct lanes; a standalone Adam loop with streams 1-3 pages (mod 4) apart ran
+at 23-36 GB/s against 45-49 GB/s at distances that avoid it. Which page distances hurt depends on the CPU; distinct
+page offsets avoided it in every case measured.
+
+Other devices get plain allocations: this is about a CPU core's L1 cache and store buffer, which GPU kernels'
+coalesced accesses do not go through.
+"""
+
+import torch
+
+PAGE_BYTES = 4096
+LANE_BYTES = 512
+LANES = PAGE_BYTES // LANE_BYTES  # buffers of one bucket beyond this share lanes again
+
+
+def flat_buffer(numel: int, dtype: torch.dtype, device, lane: int, zero: bool = True) -> torch.Tensor:
+    """A contiguous 1-D buffer of `numel` elements; on CPU one that starts `lane % LANES` lanes into a page (a view of
+    an allocation one page longer). Zero-filled when `zero`."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel + PAGE_BYTES // element, dtype=dtype)
+    # torch's CPU allocator aligns to 64 bytes, so the distance to the lane is a whole number of elements; if some
+    # allocator did not, the buffer simply starts where the allocation does.
+    start = ((lane % LANES) * LANE_BYTES - raw.data_ptr()) % PAGE_BYTES
+    first = start // element if start % element == 0 else 0
+    buf = raw[first: first + numel]
+    if zero:
+        buf.zero_()
+    return buf
