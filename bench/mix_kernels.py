@@ -16,6 +16,11 @@ way, int8_dequantize_add_ then the op (see bench_int8_mix).
 The CPU loops run with the best instruction set the CPU has (the header line names it and torch's); run with
 DECENT_COMM_CPU_ISA=baseline to time the x86-64 baseline loops against the same torch kernels.
 
+Our ops' operands are placed as the optimizers' buckets place their flat buffers (--layout optimizer, the default:
+each starts in its own lane of the page, decent_comm/optim/flat_memory.py), or allocated one by one as plain torch
+tensors (--layout separate: every buffer at the same page offset, as a user's own tensors usually are). The torch
+baselines run on torch's own tensors either way.
+
     python bench/mix_kernels.py [--quick] [--device cpu|cuda] [--threads 1,2] [--json PATH]
 """
 
@@ -29,9 +34,23 @@ import time
 import torch
 
 from decent_comm import _native, ops
+from decent_comm.optim.flat_memory import flat_buffer
 
 
 INNER = 1  # back-to-back calls per timing on CUDA (--inner): one call at 1M elements times its launch only
+LAYOUT = "optimizer"  # --layout
+_lanes_used = 0
+
+
+def operand(n, device, dtype=torch.float32, zero=False):
+    """One operand of our ops, normal random or zero, placed as LAYOUT says (see the module doc)."""
+    global _lanes_used
+    if LAYOUT == "separate":
+        t = torch.empty(n, dtype=dtype, device=device)
+    else:
+        t = flat_buffer(n, dtype, device, _lanes_used, zero=False)
+        _lanes_used += 1
+    return t.zero_() if zero else t.normal_()
 
 
 def _time_once(device, fn):
@@ -126,11 +145,11 @@ def footprint_roofline_kernels(nbytes: int, n: int, device, cap: int = 2**24):
 def bench_mix(device, sizes, ks, nb_dtypes, repeats):
     rows = []
     for n in sizes:
-        x = torch.randn(n, device=device)
+        x = operand(n, device)
         srcs = [torch.randn(n, device=device) for _ in range(2)]
         for nb_dtype in nb_dtypes:
             for k in ks:
-                ys = [torch.randn(n, device=device).to(nb_dtype) for _ in range(k)]
+                ys = [operand(n, device, nb_dtype) for _ in range(k)]
                 sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
                 min_bytes = n * 4 * 2 + n * ys[0].element_size() * k
 
@@ -177,11 +196,11 @@ def bench_fused_update(device, sizes, ks, repeats, op, baseline, make_torch, mak
         for k in ks:
             p = torch.nn.Parameter(torch.randn(n, device=device))
             p.grad = torch.randn(n, device=device)
-            ys = [torch.randn(n, device=device) for _ in range(k)]
+            ys = [operand(n, device) for _ in range(k)]
             sw, ws = 1.0 / (k + 1), [1.0 / (k + 1)] * k
             opt = make_torch([p], **(dict(fused=True) if device == "cuda" else dict(foreach=True)))
-            x, g = torch.randn(n, device=device), p.grad.detach().clone()
-            ours = make_ours(x, ys, sw, ws, g, [torch.zeros(n, device=device) for _ in range(n_state)])
+            x, g = operand(n, device), operand(n, device).copy_(p.grad)
+            ours = make_ours(x, ys, sw, ws, g, [operand(n, device, zero=True) for _ in range(n_state)])
 
             def torch_step_then_mix():
                 # AWC needs the pre-update x for the mix; the unfused way keeps a copy of it.
@@ -238,10 +257,10 @@ def bench_int8_mix(device, sizes, ks, repeats):
     rows = []
     for n in sizes:
         for k in ks:
-            x, g = torch.randn(n, device=device), torch.randn(n, device=device)
-            m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
-            copies = [torch.randn(n, device=device) for _ in range(k)]
-            own = torch.randn(n, device=device)
+            x, g = operand(n, device), operand(n, device)
+            m, v = operand(n, device, zero=True), operand(n, device, zero=True)
+            copies = [operand(n, device) for _ in range(k)]
+            own = operand(n, device)
             payloads = []
             for _ in range(k):
                 p = torch.empty(ops.int8_payload_nbytes(n), dtype=torch.uint8, device=device)
@@ -298,6 +317,8 @@ def main():
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
     ap.add_argument("--only", default=None, help="comma-separated parts to run: mix,adam,sgd,int8 (default: all)")
+    ap.add_argument("--layout", choices=["optimizer", "separate"], default="optimizer",
+                    help="where our ops' operands lie (see the module doc)")
     ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
@@ -305,14 +326,15 @@ def main():
     sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
     if args.sizes:
         sizes = [int(float(v.rstrip("M")) * 2**20) if v.endswith("M") else int(v) for v in args.sizes.split(",")]
-    global INNER
+    global INNER, LAYOUT
     INNER = args.inner or (10 if args.device == "cuda" else 1)
+    LAYOUT = args.layout
     ks = [1, 2] if args.quick else [1, 2, 4]
     repeats = args.repeats or (5 if args.device == "cpu" else 50)
     nb_dtypes = [torch.float32, torch.bfloat16]
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}; CPU capability: torch {torch.backends.cpu.get_cpu_capability()}, decent_comm "
-          f"{_native.cpu_isa()} (DECENT_COMM_CPU_ISA picks a lower one)")
+          f"{_native.cpu_isa()} (DECENT_COMM_CPU_ISA picks a lower one); operands: --layout {LAYOUT}")
     print("speedup = baseline time / our time; roofline = same-shape in-place torch kernel (k=1: add_, k=2: "
           "addcmul_), else the best of copy_/add_/addcmul_")
     threads = [int(t) for t in args.threads.split(",")] if args.threads and args.device == "cpu" else [None]
@@ -339,7 +361,7 @@ def main():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dict(device=args.device, torch=torch.__version__, cpu_isa=_native.cpu_isa(),
-                       torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), rows=rows), f, indent=1)
+                       torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), layout=LAYOUT, rows=rows), f, indent=1)
     print(f"wrote {path}")
 
 
