@@ -1,4 +1,4 @@
-"""The buckets' flat CPU buffers start in distinct 512-byte lanes of the page (decent_comm/optim/flat_memory.py), so
+"""The buckets' flat CPU buffers start in distinct 256-byte lanes of the page (decent_comm/optim/flat_memory.py), so
 the streams of one fused op never share a page offset; and a buffer placed so is an ordinary contiguous tensor the
 optimizers, state_dict and the exchange use as before (the optimizer suites check that end to end)."""
 

@@ -1,4 +1,4 @@
-"""Memory for the buckets' flat buffers: on CPU, each buffer of a bucket starts in its own 512-byte lane of the 4 KiB
+"""Memory for the buckets' flat buffers: on CPU, each buffer of a bucket starts in its own 256-byte lane of the 4 KiB
 page, so the streams one fused op reads and writes side by side (parameters, gradients, state, neighbours' copies)
 never start at the same offset in a page.
 
@@ -17,8 +17,12 @@ coalesced accesses do not go through.
 import torch
 
 PAGE_BYTES = 4096
-LANE_BYTES = 512
-LANES = PAGE_BYTES // LANE_BYTES  # buffers of one bucket beyond this share lanes again
+# Lanes of 256 and 512 bytes measured alike (mix_adam_ with six streams, both instruction sets; 64 bytes was as slow
+# as one offset). 16 lanes cover a bucket's buffers in the usual configurations (parameters, gradients, AccumAdam's
+# three states, the int8 wire's copies of a period's neighbours and its own: 10 on one-peer-exp over 8 ranks); more
+# buffers share lanes again.
+LANE_BYTES = 256
+LANES = PAGE_BYTES // LANE_BYTES
 
 
 def flat_buffer(numel: int, dtype: torch.dtype, device, lane: int, zero: bool = True) -> torch.Tensor:
