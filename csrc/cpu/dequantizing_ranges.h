@@ -63,7 +63,7 @@ struct Dequantizing {
 // iteration, so every stream is read sequentially once, with no second loop to switch to. On an AVX-512 EPYC, one
 // thread, 16M-64M elements, bench/mix_kernels.py --only int8: 91-101% of the roofline of the op's bytes, where the
 // span loop above reached 70-90%. The element math and its order are SinglePass's over the advanced copies, and the
-// disagreement is summed in SinglePassTracked's blocks: the same bits as the span loop and the two-pass way.
+// disagreement is summed in SinglePass's blocks: the same bits as the span loop and the two-pass way.
 template <DType XD, typename Update, int P, bool kTracked>
 struct DequantizingSinglePass {
   using Result = std::conditional_t<kTracked, double, void>;

@@ -31,10 +31,9 @@ auto pick_loop(const FusedOperands& o) {
   return pick_range<Range>();
 }
 
-template <DType XD, DType ND, typename Update, int K>
-void run_single_pass(const FusedOperands& o, const HyperParams& hp) {
-  const LoopContext<XD, ND> ctx(o, hp);
-  const auto loop = pick_loop<SinglePass<XD, ND, Update, K>, XD, ND>(o);
+// A loop without a disagreement output, over the pool's chunks.
+template <typename Loop, DType XD, DType ND>
+void run_plain_loop(const FusedOperands& o, const LoopContext<XD, ND>& ctx, Loop loop) {
   at::parallel_for(0, o.numel, kGrain, [&](int64_t begin, int64_t end) { loop(&ctx, begin, end); });
 }
 
@@ -61,8 +60,7 @@ void run_dequantizing(const FusedOperands& o, const HyperParams& hp) {
   if (o.disagreement != nullptr) {
     return run_reduced_loop(o, ctx, pick_range<DequantizingSinglePass<XD, Update, P, true>>());
   }
-  const auto loop = pick_range<DequantizingSinglePass<XD, Update, P, false>>();
-  at::parallel_for(0, o.numel, kGrain, [&](int64_t begin, int64_t end) { loop(&ctx, begin, end); });
+  run_plain_loop(o, ctx, pick_range<DequantizingSinglePass<XD, Update, P, false>>());
 }
 
 template <DType XD, DType ND, typename Update>
@@ -75,8 +73,11 @@ void run_fixed_k(const FusedOperands& o, const HyperParams& hp) {
   if constexpr (ND == DType::Float32 && K >= 2) {
     if (o.payloads.count == K - 1) return run_dequantizing<XD, Update, K - 1>(o, hp);
   }
-  if (o.disagreement == nullptr) return run_single_pass<XD, ND, Update, K>(o, hp);
-  run_reduced<SinglePassTracked<XD, ND, Update, K>, XD, ND>(o, hp);
+  if (o.disagreement == nullptr) {
+    const LoopContext<XD, ND> ctx(o, hp);
+    return run_plain_loop(o, ctx, pick_loop<SinglePass<XD, ND, Update, K, false>, XD, ND>(o));
+  }
+  run_reduced<SinglePass<XD, ND, Update, K, true>, XD, ND>(o, hp);
 }
 
 template <DType XD, DType ND, typename Update>

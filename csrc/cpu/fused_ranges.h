@@ -86,32 +86,6 @@ struct LoopContext {
       : t(o), h(hp), want_disagreement(o.disagreement != nullptr), payloads(o.payloads) {}
 };
 
-// One pass per element with a compile-time neighbour count: the common case (one-peer, ring, exp
-// topologies), with no intermediate buffer.
-template <DType XD, DType ND, typename Update, int K>
-struct SinglePass {
-  using Result = void;
-  // The plain mix over neighbours of x's dtype only streams memory: 256-bit AVX-512 vectors (cpu_isa.h).
-  static constexpr bool kNarrowVectors = std::is_same_v<Update, MixUpdate> && XD == ND;
-  static DC_ALWAYS_INLINE void run(const void* ctx, int64_t begin, int64_t end) {
-    using M = typename Typed<XD, ND>::M;
-    const auto& c = *static_cast<const LoopContext<XD, ND>*>(ctx);
-    // Local copies: the compiler can then prove the state stores do not alias the hyper-parameters
-    // and pointers, hoist them out of the loop, and vectorize it.
-    const Typed<XD, ND> t_local = c.t;
-    const Hyper<M> h_local = c.h;
-    // Element i depends on element i of each operand only, and ops.cpp refuses shifted (partially
-    // overlapping) operands, so there is no loop-carried dependence. Without this hint GCC vectorizes only
-    // behind runtime alias checks, and gives up when the pointers are many (mix_adam_ with k = 2: 6 streams,
-    // 3 of them written), running at a third of the memory bandwidth.
-#pragma GCC ivdep
-    for (int64_t i = begin; i < end; ++i) {
-      const M x_old = static_cast<M>(t_local.x[i]);
-      t_local.template update<Update>(h_local, i, x_old, t_local.template mixed_at<K>(i, x_old));
-    }
-  }
-};
-
 // partial += sum of sq[0, len) (a block's squared changes), in eight independent lanes (no serial add chain), then
 // lane by lane in double: a fixed order, so every instruction set gives the same sum.
 template <typename M>
@@ -121,36 +95,42 @@ DC_ALWAYS_INLINE void add_block_sum(double& partial, const M* sq, int64_t len) {
   for (M lane : lanes) partial += double(lane);
 }
 
-// The single pass with the disagreement output, sum((mixed - x_old)^2): per block of kBlock elements the main
-// loop (the same as SinglePass) also stores d^2 into an L1-resident block, which a second, short loop sums
-// in eight independent lanes; blocks add up in double, so precision does not depend on the buffer length. (An
-// `omp simd reduction` in the main loop left mix_adam_ scalar, 3x slower.) The order of every addition is fixed by
-// the source, so each instruction set gives the same sum.
-template <DType XD, DType ND, typename Update, int K>
-struct SinglePassTracked {
-  using Result = double;
+// One pass per element with a compile-time neighbour count: the common case (one-peer, ring, exp topologies), with no
+// intermediate buffer. With kTracked it also returns the disagreement, sum((mixed - x_old)^2): per block of kBlock
+// elements the main loop also stores d^2 into an L1-resident block, which a second, short loop sums in eight
+// independent lanes; blocks add up in double, so precision does not depend on the buffer length. (An `omp simd
+// reduction` in the main loop left mix_adam_ scalar, 3x slower.) The order of every addition is fixed by the source,
+// so each instruction set gives the same sum.
+template <DType XD, DType ND, typename Update, int K, bool kTracked>
+struct SinglePass {
+  using Result = std::conditional_t<kTracked, double, void>;
   // The plain mix over neighbours of x's dtype only streams memory: 256-bit AVX-512 vectors (cpu_isa.h).
   static constexpr bool kNarrowVectors = std::is_same_v<Update, MixUpdate> && XD == ND;
-  static DC_ALWAYS_INLINE double run(const void* ctx, int64_t begin, int64_t end) {
+  static DC_ALWAYS_INLINE Result run(const void* ctx, int64_t begin, int64_t end) {
     using M = typename Typed<XD, ND>::M;
     const auto& c = *static_cast<const LoopContext<XD, ND>*>(ctx);
+    // Local copies: the compiler can then prove the state stores do not alias the hyper-parameters
+    // and pointers, hoist them out of the loop, and vectorize it.
     const Typed<XD, ND> t_local = c.t;
     const Hyper<M> h_local = c.h;
-    double partial = 0.0;
-    M sq[kBlock];
+    [[maybe_unused]] double partial = 0.0;
+    [[maybe_unused]] M sq[kBlock];
     for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
-      const int64_t len = std::min(kBlock, end - b0);
-      // No loop-carried dependence: see SinglePass.
+      const int64_t b1 = std::min(end, b0 + kBlock);
+      // Element i depends on element i of each operand only, and ops.cpp refuses shifted (partially
+      // overlapping) operands, so there is no loop-carried dependence. Without this hint GCC vectorizes only
+      // behind runtime alias checks, and gives up when the pointers are many (mix_adam_ with k = 2: 6 streams,
+      // 3 of them written), running at a third of the memory bandwidth.
 #pragma GCC ivdep
-      for (int64_t i = 0; i < len; ++i) {
-        const M x_old = static_cast<M>(t_local.x[b0 + i]);
-        const M mixed = t_local.template mixed_at<K>(b0 + i, x_old);
-        sq[i] = (mixed - x_old) * (mixed - x_old);
-        t_local.template update<Update>(h_local, b0 + i, x_old, mixed);
+      for (int64_t i = b0; i < b1; ++i) {
+        const M x_old = static_cast<M>(t_local.x[i]);
+        const M mixed = t_local.template mixed_at<K>(i, x_old);
+        if constexpr (kTracked) sq[i - b0] = (mixed - x_old) * (mixed - x_old);
+        t_local.template update<Update>(h_local, i, x_old, mixed);
       }
-      add_block_sum(partial, sq, len);
+      if constexpr (kTracked) add_block_sum(partial, sq, b1 - b0);
     }
-    return partial;
+    if constexpr (kTracked) return partial;
   }
 };
 
