@@ -75,7 +75,11 @@ struct DequantizingSinglePass {
     const PayloadOperands& p = c.payloads;
     // The copies are neighbours, held const by Typed; OpCall registered them as outputs of the op.
     float* copies[P];
-    for (int j = 0; j < P; ++j) copies[j] = const_cast<float*>(t_local.neighbors[j]);
+    const int8_t* levels[P];
+    for (int j = 0; j < P; ++j) {
+      copies[j] = const_cast<float*>(t_local.neighbors[j]);
+      levels[j] = p.levels[j];
+    }
     const float* const own = t_local.neighbors[P];
     [[maybe_unused]] double partial = 0.0;
     [[maybe_unused]] M sq[kBlock];
@@ -85,11 +89,7 @@ struct DequantizingSinglePass {
         const int64_t blk = (p.offset + s0) / p.block;
         const int64_t s1 = std::min(c1, (blk + 1) * p.block - p.offset);
         float scales[P];
-        const int8_t* levels[P];
-        for (int j = 0; j < P; ++j) {
-          scales[j] = p.scales[j][blk];
-          levels[j] = p.levels[j];
-        }
+        for (int j = 0; j < P; ++j) scales[j] = p.scales[j][blk];
         // No loop-carried dependence: see SinglePass.
 #pragma GCC ivdep
         for (int64_t i = s0; i < s1; ++i) {
