@@ -1,7 +1,7 @@
 """Misuse of the optimizers is a clear error naming what is wrong - on every rank - never a crash, a hang or a
 silently wrong result: options that differ between ranks, another rank's state_dict, non-finite values spreading,
-a silent peer on the group all-reduce path, sparse gradients, a model converted after construction, a model left
-in DDP, add_param_group, and options checked whatever the world size."""
+a silent peer on the group all-reduce path, a rank dying during the construction's check, sparse gradients, a model
+converted after construction, a model left in DDP, add_param_group, and options checked whatever the world size."""
 
 import time
 
@@ -223,6 +223,28 @@ def test_silent_peer_on_group_allreduce_is_an_exchange_timeout():
     res = run_ranks(_silent_group_peer, 3, timeout=120)
     for r in (0, 1):
         assert res[r]["kind"] == "ExchangeTimeout" and "ranks [0, 1, 2]" in res[r]["msg"], res[r]
+        assert res[r]["elapsed"] < 3 + 5, res[r]
+
+
+def _dies_before_its_config(rank, n):
+    """Rank 1 arrives at the construction's meeting, then dies before it puts its configuration in the store."""
+    if rank == 1:
+        import decent_comm.optim.startup as startup
+        startup.swap = lambda *args, **kwargs: exit_now("died")
+    model = make_model(0)
+    start = time.monotonic()
+    try:
+        decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", timeout=3)
+    except ExchangeTimeout as exc:
+        return dict(elapsed=time.monotonic() - start, msg=str(exc))
+    return dict(elapsed=time.monotonic() - start, msg="no error")
+
+
+def test_rank_dying_between_arrival_and_its_config_is_named_by_the_others():
+    res = run_ranks(_dies_before_its_config, 3, timeout=120)
+    assert res[1] == "died"
+    for r in (0, 2):
+        assert "rank 1 arrived but did not send its configuration within 3 s" in res[r]["msg"], res[r]
         assert res[r]["elapsed"] < 3 + 5, res[r]
 
 
