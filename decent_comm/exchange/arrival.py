@@ -50,6 +50,12 @@ def group_timeout_s(group) -> float:
     return _C._process_group_timeout_ms(group, device) / 1000.0
 
 
+def timeout_s(group, timeout: Optional[float]) -> float:
+    """`timeout` in seconds, or when it is None the timeout `group` (None: the default group) was created with."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    return group_timeout_s(group) if timeout is None else float(timeout)
+
+
 def ranks_text(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
@@ -66,7 +72,7 @@ def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
     base = f"decent_comm/arrival/{name}/{seq}"
     if world_size == 1:
         return base
-    seconds = group_timeout_s(group) if timeout is None else float(timeout)
+    seconds = timeout_s(group, timeout)
     store = dist.distributed_c10d._get_default_store()
     try:
         store.set(f"{base}/rank{rank}", "1")

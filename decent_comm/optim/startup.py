@@ -15,7 +15,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange.arrival import ExchangeTimeout, group_timeout_s, ranks_text, wait_for_ranks
+from ..exchange.arrival import ExchangeTimeout, ranks_text, timeout_s, wait_for_ranks
 from ..exchange.roster import swap
 
 
@@ -149,8 +149,7 @@ def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
     if world_size == 1:
         return
     # every rank has arrived and puts its config next (one that dies in between is named after the wait)
-    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    seconds = group_timeout_s(group) if seconds is None else seconds
+    seconds = timeout_s(process_group, seconds)
     sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(config),
                           seconds)
     if missing:
