@@ -1,6 +1,6 @@
 # decent_comm developer entry points.
 #   make demo   install, build, run the main demo
-#   make test   install, build, run the test suite
+#   make test   install, build, run the test suite (and the kernel tests against the CUDA kernels emulated on the CPU)
 # Everything lives in .venv (created if missing). TORCH_SPEC picks the torch to install; any torch >= 2.4
 # builds the extension.
 
@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export MAX_JOBS
 
-.PHONY: all venv importable build test demo bench cmake-build clean
+.PHONY: all venv importable build test test-cuda-emulation demo bench cmake-build clean
 
 all: build
 
@@ -38,8 +38,14 @@ build: $(STAMP) importable
 importable: $(STAMP)
 	$(VPY) -c 'import os, sys, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "decent_comm_checkout.pth"), "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
 
+# The suite, then the CUDA kernels' own code run on the CPU against the kernel tests (tests/cuda_emulation: about
+# 3 minutes on 2 cores; no GPU or nvcc needed).
 test: build
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+	$(VPY) tests/cuda_emulation/run.py
+
+test-cuda-emulation: $(STAMP)
+	$(VPY) tests/cuda_emulation/run.py
 
 # 4 local CPU ranks: all-reduce vs DAdamW (one-peer-exp) vs AccumAdamW (aer, 2 emulated nodes); table + plot.
 demo: build

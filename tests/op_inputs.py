@@ -1,10 +1,14 @@
 """Random inputs of the fused-op tests: flat buffers (optionally unaligned views) and mixing weights."""
 
+import os
+
 import torch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# tests/cuda_emulation/run.py: the CPU ops run the CUDA kernels' code, so the CPU cases take CUDA's dtypes.
+CUDA_EMULATION = os.environ.get("DECENT_COMM_TEST_CUDA_EMULATION") == "1"
 # Storage dtypes of x per device (the CUDA kernels are not built for float64).
-DTYPES = {"cpu": [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+DTYPES = {"cpu": [torch.float32, torch.bfloat16, torch.float16] + ([] if CUDA_EMULATION else [torch.float64]),
           "cuda": [torch.float32, torch.bfloat16, torch.float16]}
 
 

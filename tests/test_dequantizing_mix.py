@@ -11,7 +11,7 @@ import torch
 from decent_comm import ops
 
 from int8_reference import roundtrip32
-from op_inputs import DEVICES
+from op_inputs import DEVICES, DTYPES
 
 CUDA = torch.cuda.is_available()
 
@@ -63,6 +63,8 @@ def _call(kind, o, fused, disagreement=None, **amp):
         ops.gossip_mix_(*common, disagreement=disagreement, **kw)
     elif kind == "sgd":
         ops.mix_sgd_(*common, o["grad"], st[0], 0.01, 0.9, 0.1, 0.01, disagreement=disagreement, **amp, **kw)
+    elif kind == "sgd_plain":  # no momentum: an update kind of its own in the kernels
+        ops.mix_sgd_(*common, o["grad"], None, 0.01, 0.0, 0.0, 0.01, disagreement=disagreement, **amp, **kw)
     elif kind == "adamw":
         ops.mix_adam_(*common, o["grad"], st[0], st[1], None if amp else 3, 1e-3, weight_decay=0.1, decoupled=True,
                       disagreement=disagreement, **amp, **kw)
@@ -78,20 +80,30 @@ def _assert_same(a, b):
             assert torch.equal(u, v), (name, i, (u - v).abs().max().item())
 
 
+def _scalars(scalars, device):
+    """The AMP scalars and device step count of a call: none (the host's hyper-parameters), or all of them (on a GPU
+    the update then reads what a one-thread kernel resolved)."""
+    if scalars == "host":
+        return {}
+    return dict(grad_scale=torch.full((1,), 8.0, device=device), found_inf=torch.zeros(1, device=device),
+                state_step=torch.full((1,), 2.0, device=device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["mix", "sgd", "adamw", "accum"])
+@pytest.mark.parametrize("kind,scalars", [("mix", "host")] + [(kind, scalars) for kind in ["sgd", "sgd_plain", "adamw",
+                                                                  "accum"] for scalars in ["host", "device"]])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("copies,neighbors", [(1, 0), (1, 1), (2, 1), (3, 1), (5, 1)])
-def test_fused_equals_decode_then_mix(device, kind, x_dtype, copies, neighbors):
-    if device == "cuda" and x_dtype == torch.float64:
-        pytest.skip("float64 is CPU-only on CUDA")
+def test_fused_equals_decode_then_mix(device, kind, scalars, x_dtype, copies, neighbors):
+    if x_dtype not in DTYPES[device]:
+        pytest.skip("float64 has no CUDA kernel")
     for n, offset in [(1, 0), (513, 0), (3000, 700), (100_003, 4096 + 3)]:
         o = _operands(n, copies, neighbors, x_dtype, offset, seed=n, device=device)
         fused, two_pass = _clone(o), _clone(o)
         d_fused = torch.zeros(1, device=device)
         d_two = torch.zeros(1, device=device)
-        _call(kind, fused, True, d_fused)
-        _call(kind, two_pass, False, d_two)
+        _call(kind, fused, True, d_fused, **_scalars(scalars, device))
+        _call(kind, two_pass, False, d_two, **_scalars(scalars, device))
         _assert_same(fused, two_pass)
         # the disagreement is summed span by span inside the fused loop: same terms, another association
         assert torch.allclose(d_fused, d_two, rtol=1e-5, atol=0), (d_fused, d_two)

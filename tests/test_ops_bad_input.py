@@ -5,7 +5,7 @@ import torch
 
 from decent_comm import ops
 
-from op_inputs import flat, gen
+from op_inputs import DTYPES, flat, gen
 
 
 def _ok_args(n=16):
@@ -92,10 +92,15 @@ def test_shifted_or_shared_outputs_are_refused_and_nothing_is_written():
     assert torch.equal(buf, before) and torch.all(m == 0) and torch.all(v == 0)
 
 
+# float64 storage is CPU-only: the CPU cases of a run against the emulated CUDA kernels (tests/cuda_emulation) skip it.
+cpu_float64 = pytest.mark.skipif(torch.float64 not in DTYPES["cpu"], reason="float64 has no CUDA kernel (emulated)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=cpu_float64)])
 @pytest.mark.parametrize("n", [7, 4099])
-def test_x_may_be_its_own_neighbor_or_gradient(n):
-    x = torch.randn(n, dtype=torch.float64)
-    y = torch.randn(n, dtype=torch.float64)
+def test_x_may_be_its_own_neighbor_or_gradient(n, dtype):
+    x = torch.randn(n, dtype=dtype)
+    y = torch.randn(n, dtype=dtype)
     expected = 0.5 * x + 0.5 * y  # 0.2 x + 0.3 x + 0.5 y
     ops.gossip_mix_(x, [x, y], 0.2, [0.3, 0.5])
     torch.testing.assert_close(x, expected)
@@ -104,6 +109,7 @@ def test_x_may_be_its_own_neighbor_or_gradient(n):
     torch.testing.assert_close(x, expected)
 
 
+@cpu_float64
 def test_float64_is_rejected_on_cuda_meta_check():
     # float64 storage exists only on CPU; the check runs before any CUDA work, so it is testable anywhere
     # a CUDA device exists. On CPU float64 is accepted.
@@ -208,6 +214,7 @@ def test_values_beyond_float32_are_refused_for_half_storage_too(dtype):
     assert_refused("adam", {**operands("adam", dtype=dtype), "weights": [1e39]}, r"overflows float32, the math dtype")
 
 
+@cpu_float64
 def test_float64_storage_computes_in_float64_so_its_range_applies():
     x = torch.ones(4, dtype=torch.float64)
     ops.gossip_mix_(x, [torch.ones(4, dtype=torch.float64)], 0.0, [1e300])

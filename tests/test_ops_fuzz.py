@@ -3,6 +3,7 @@ element offsets, 0..MAX_NEIGHBORS neighbours, every storage dtype for x and the 
 neighbour, weights and hyper-parameters with edge values, AMP scalars and device step counts. Valid calls match the
 float64 references of mix_reference.py within the dtypes' rounding; invalid ones raise and write nothing."""
 
+import itertools
 import math
 
 import pytest
@@ -13,13 +14,14 @@ from hypothesis import strategies as st
 from decent_comm import ops
 
 from mix_reference import accum_adam64, adam64, assert_close_to_ref, mix64, sgd64
+from op_inputs import DTYPES
 
 # Derandomized (the same examples on every run, so CI is deterministic), no example database, no deadline (the
 # machine's load must not fail a test); sized to a few seconds on a 2-core machine, since the suite runs on every
 # CI push (raise max_examples locally to search harder).
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-STORAGE = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+STORAGE = DTYPES["cpu"]
 EDGE_WEIGHTS = st.sampled_from([0.0, 1.0, -1.0, 0.5, 1e-30, -2.0])
 HYPER = {
     "sgd": dict(lr=[0.0, 1e-3, 0.1, 1.0], momentum=[0.0, 0.5, 0.9, 1.0], dampening=[0.0, 0.5, 1.0],
@@ -78,8 +80,10 @@ def build(c):
              disagreement=torch.full((1,), 7.0) if c["disagreement"] else None)
     if c["op"] == "mix":
         return a
-    a.update(grad=_buffer(n, c["x_dtype"], 1, g), lr=c["hp"]["lr"], **{h: v for h, v in c["hp"].items() if h != "lr"})
-    state = [_buffer(n, torch.float32, 2, g, 0.1) for _ in range(3)]
+    # The gradient and the state at offsets 1 and 2 unless the case says otherwise: views a GPU cannot load by vectors.
+    a.update(grad=_buffer(n, c["x_dtype"], c.get("grad_offset", 1), g), lr=c["hp"]["lr"],
+             **{h: v for h, v in c["hp"].items() if h != "lr"})
+    state = [_buffer(n, torch.float32, c.get("state_offset", 2), g, 0.1) for _ in range(3)]
     state[1] = state[1].abs() + 1e-6  # exp_avg_sq >= 0, and > 0 so that eps = 0 divides no zero by zero
     amp = c["amp"]
     for name in ["grad_scale", "found_inf"]:
@@ -150,13 +154,13 @@ def _bits(t):
     return t.detach().reshape(-1).view(torch.uint8).clone()
 
 
-@settings(FUZZ, max_examples=300)
-@given(c=calls())
-def test_valid_calls_match_the_float64_reference(c):
+def check_call(c, precondition=assume):
+    """Runs case `c` and checks x, the state, the disagreement and the count against the float64 reference.
+    `precondition` gets whether the reference is finite and far enough from overflow in x's dtype."""
     a = build(c)
     r = reference(c, a)
     limit = torch.finfo(c["x_dtype"]).max / 2
-    assume(bool((r["x"].abs() < limit).all()))  # finite, and far enough from overflow in x's dtype
+    precondition(bool((r["x"].abs() < limit).all()))
     x_old = a["x"].to(torch.float64, copy=True)  # .double() of a float64 x would be x itself
     old_state = {name: a[name].double() for name in STATE[c["op"]]}
     count = int(a["state_step"]) if "state_step" in a else None
@@ -173,6 +177,53 @@ def test_valid_calls_match_the_float64_reference(c):
     if count is not None:
         skipped = "found_inf" in a and float(a["found_inf"]) != 0
         assert int(a["state_step"]) == count + (0 if skipped else 1)
+
+
+@settings(FUZZ, max_examples=300)
+@given(c=calls())
+def test_valid_calls_match_the_float64_reference(c):
+    check_call(c)
+
+
+# One call per compiled variant of the kernels: update kind (SGD with and without momentum), x and neighbour dtype,
+# the neighbour-count specializations, aligned (vector) and unaligned (one by one) operands, host or device scalars
+# (GPU: the resolved kernels, and the mix-only kernel that runs when found_inf skips the update). The random draws
+# above miss some; on a GPU, or against the emulated CUDA kernels (tests/cuda_emulation), each is a kernel of its own.
+# 13,001 elements: more than one grid-stride round of the emulated device, and a tail after the vectors.
+VARIANT_HYPER = {
+    "mix": {},
+    "sgd": dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.01, nesterov=False),
+    "sgd_momentum": dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False),
+    "adam": dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, decoupled=True),
+    "accum": dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, decoupled=False),
+}
+VARIANT_SCALARS = {"host": dict(grad_scale=None, found_inf=None, count_dtype=None),
+                   "device": dict(grad_scale=4.0, found_inf=0.0, count_dtype=torch.float32),
+                   "skipped": dict(grad_scale=4.0, found_inf=1.0, count_dtype=torch.int64)}
+# (neighbours, the offset of every operand: 0 is aligned, 1 is not)
+VARIANT_OPERANDS = {"k1": (1, 0), "k2": (2, 0), "k3": (3, 0), "unaligned": (2, 1)}
+
+
+def _variants():
+    for update, scalars in itertools.product(VARIANT_HYPER, VARIANT_SCALARS):
+        if update != "mix" or scalars == "host":
+            for x_dtype, y_dtype in itertools.product(STORAGE, STORAGE):
+                yield update, scalars, x_dtype, y_dtype
+
+
+@pytest.mark.parametrize("update,scalars,x_dtype,y_dtype", list(_variants()))
+def test_every_kernel_variant_matches_the_float64_reference(update, scalars, x_dtype, y_dtype):
+    op = "sgd" if update == "sgd_momentum" else update
+    for i, (name, (k, offset)) in enumerate(VARIANT_OPERANDS.items()):
+        c = dict(op=op, k=k, seed=i, n=13_001, x_dtype=x_dtype, y_dtype=y_dtype, x_offset=offset,
+                 y_offsets=[offset] * k, grad_offset=offset, state_offset=offset, weights=[0.4] + [0.6 / k] * k, alias=None, disagreement=k != 1,
+                 hp=dict(VARIANT_HYPER[update]), amp=VARIANT_SCALARS[scalars], step=3, first_step=False,
+                 accum_steps=3)
+        check_call(c, precondition=_must_hold)
+
+
+def _must_hold(ok):
+    assert ok, "the reference of a variant case overflows x's dtype"
 
 
 def _set_hyper(value, names=None):
