@@ -214,11 +214,11 @@ def _variants():
 @pytest.mark.parametrize("update,scalars,x_dtype,y_dtype", list(_variants()))
 def test_every_kernel_variant_matches_the_float64_reference(update, scalars, x_dtype, y_dtype):
     op = "sgd" if update == "sgd_momentum" else update
-    for i, (name, (k, offset)) in enumerate(VARIANT_OPERANDS.items()):
-        c = dict(op=op, k=k, seed=i, n=13_001, x_dtype=x_dtype, y_dtype=y_dtype, x_offset=offset,
-                 y_offsets=[offset] * k, grad_offset=offset, state_offset=offset, weights=[0.4] + [0.6 / k] * k, alias=None, disagreement=k != 1,
-                 hp=dict(VARIANT_HYPER[update]), amp=VARIANT_SCALARS[scalars], step=3, first_step=False,
-                 accum_steps=3)
+    for seed, (k, offset) in enumerate(VARIANT_OPERANDS.values()):
+        c = dict(op=op, k=k, seed=seed, n=13_001, x_dtype=x_dtype, y_dtype=y_dtype, x_offset=offset,
+                 y_offsets=[offset] * k, grad_offset=offset, state_offset=offset, weights=[0.4] + [0.6 / k] * k,
+                 alias=None, disagreement=k != 1, hp=dict(VARIANT_HYPER[update]), amp=VARIANT_SCALARS[scalars],
+                 step=3, first_step=False, accum_steps=3)
         check_call(c, precondition=_must_hold)
 
 

@@ -158,9 +158,14 @@ void run_block(BlockRun& r, unsigned block) {
     r.warp_live[w] = std::min(kWarp, block - w * kWarp);
     r.warp_arrived[w] = 0;
   }
+  // Between barriers, threads run one after another: even blocks from thread 0 up, odd blocks from the last thread
+  // down. A read of shared memory that a missing __syncthreads leaves unordered with its write then sees the stale
+  // value in one of the two orders, whichever thread reads.
+  const bool descending = blockIdx.x % 2 == 1;
   while (r.live > 0) {
     bool ran = false;
-    for (Fiber& f : r.fibers) {
+    for (unsigned i = 0; i < block; ++i) {
+      Fiber& f = r.fibers[descending ? block - 1 - i : i];
       if (f.done || f.wait != Wait::None) continue;
       r.current = &f;
       threadIdx.x = f.tid;

@@ -90,9 +90,9 @@ def main(pytest_args):
         build()
         return 0
     package = OUT / "pkg"
-    env = {**os.environ, "PYTHONPATH": f"{package}{os.pathsep}{HERE}", "DC_EMULATED_PACKAGE": str(package / "decent_comm"),
-           "DECENT_COMM_TEST_CUDA_EMULATION": "1",
-           "DECENT_COMM_CUDA": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": f"{package}{os.pathsep}{HERE}", "DECENT_COMM_TEST_CUDA_EMULATION": "1",
+           "DC_EMULATED_PACKAGE": str(package / "decent_comm"), "DECENT_COMM_CUDA": "0",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     tests = [str(REPO / "tests" / t) for t in TESTS]
     args = pytest_args or ["-q", "-p", "no:cacheprovider"]
     # pyproject.toml's pythonpath puts the checkout first; here the emulated package comes first, and the guard

@@ -1,11 +1,13 @@
 // The part of the CUDA runtime and device API that csrc/cuda uses, emulated on the CPU, so the tests can execute the
-// kernels' own code (tests/cuda_emulation/build.py compiles csrc/cuda/*.cu with g++ against this header).
+// kernels' own code (tests/cuda_emulation/run.py compiles csrc/cuda/*.cu with g++ against this header).
 //
 // A launch runs its blocks one after another on the calling thread; the threads of a block are fibers
 // (emulated_runtime.cpp) that switch only at __syncthreads and at warp shuffles, which are real barriers: a thread
 // waits there until every live thread of its block (warp) has arrived, and a barrier no live thread can reach is
-// reported as a deadlock, like a divergent __syncthreads on a GPU. Shared memory is a static variable (one block runs
-// at a time), atomics are plain read-modify-writes (one thread runs at a time), streams are synchronous.
+// reported as a deadlock, like a divergent __syncthreads on a GPU. Between barriers the threads run in turn, upwards
+// in even blocks and downwards in odd ones, so a missing barrier shows whichever thread reads. Shared memory is a
+// static variable (one block runs at a time), atomics are plain read-modify-writes (one thread runs at a time),
+// streams are synchronous.
 // What this cannot show: timing, occupancy, races between blocks, the effects of FMA contraction (nvcc contracts
 // a * b + c where the sources leave it; g++ here does not: -ffp-contract=off), and anything NCCL does.
 #pragma once
