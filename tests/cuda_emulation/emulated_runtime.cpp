@@ -137,6 +137,11 @@ void release_complete_barriers(BlockRun& r) {
   }
   for (unsigned w = 0; w < (r.fibers.size() + kWarp - 1) / kWarp; ++w) {
     if (r.warp_arrived[w] > 0 && r.warp_arrived[w] == r.warp_live[w]) {
+      // A full-mask shuffle needs all 32 lanes: with some returned, a GPU leaves the result undefined.
+      if (r.warp_live[w] != kWarp && r.failure.empty()) {
+        r.failure = "warp shuffle in block " + std::to_string(blockIdx.x) + ", warp " + std::to_string(w) + " with " +
+                    std::to_string(r.warp_live[w]) + " of 32 lanes live";
+      }
       r.warp_arrived[w] = 0;
       for (unsigned t = w * kWarp; t < std::min<size_t>(r.fibers.size(), (w + 1) * kWarp); ++t) {
         if (r.fibers[t].wait == Wait::Warp) r.fibers[t].wait = Wait::None;
@@ -235,10 +240,6 @@ uint64_t exchange_in_warp(uint64_t bits, unsigned src_lane) {
   BlockRun& r = *g_run;
   Fiber& f = *r.current;
   const unsigned warp = f.tid / kWarp;
-  if (r.warp_live[warp] != kWarp && r.failure.empty()) {
-    r.failure = "warp shuffle in block " + std::to_string(blockIdx.x) + ", warp " + std::to_string(warp) +
-                " with " + std::to_string(r.warp_live[warp]) + " of 32 lanes live";
-  }
   const unsigned buffer = f.shuffles++ & 1;
   r.slots[warp][buffer][f.tid % kWarp] = bits;
   f.wait = Wait::Warp;

@@ -63,6 +63,7 @@ def build():
 
     sources = sorted(REPO.glob("csrc/*.cpp")) + sorted(REPO.glob("csrc/comm/*.cpp")) + [
         REPO / "csrc" / "cpu" / "cpu_isa.cpp", HERE / "emulated_entry.cpp", HERE / "emulated_runtime.cpp",
+        HERE / "selftest_kernels.cpp", HERE / "selftest_ops.cpp",
     ] + emulated_kernel_sources()
     (OUT / "obj").mkdir(parents=True, exist_ok=True)
     # A misaligned vector load or store faults on a GPU ("misaligned address"); x86 would do it silently, so UBSan's
@@ -108,7 +109,7 @@ def main(pytest_args):
     env = {**os.environ, "PYTHONPATH": f"{package}{os.pathsep}{HERE}", "DECENT_COMM_TEST_CUDA_EMULATION": "1",
            "DC_EMULATED_PACKAGE": str(package / "decent_comm"), "DECENT_COMM_CUDA": "0",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **sanitizer_env()}
-    tests = [str(REPO / "tests" / t) for t in TESTS]
+    tests = [str(HERE / "test_emulated_runtime.py")] + [str(REPO / "tests" / t) for t in TESTS]
     args = pytest_args or ["-q", "-p", "no:cacheprovider"]
     # pyproject.toml's pythonpath puts the checkout first; here the emulated package comes first, and the guard
     # plugin checks that it is the one imported.
