@@ -14,7 +14,7 @@ void check(int err, const char* what) {
   if (err == 0) return;
   if (err == 1) {  // cudaErrorInvalidValue: operands the CUDA kernels refuse (float64: CPU-only)
     throw std::invalid_argument(std::string("decent_comm CUDA emulation: ") + what + " refused the operands (" +
-                                cuda_error_string(err) + "); float64 has no CUDA kernel");
+                                cuda_error_string(err) + "; float64, for one, has no CUDA kernel)");
   }
   throw std::runtime_error(std::string("decent_comm CUDA emulation: ") + what + " failed: " + cuda_error_string(err));
 }

@@ -75,6 +75,7 @@ struct BlockRun {
   unsigned live = 0, block_arrived = 0;
   unsigned warp_live[kMaxThreads / kWarp] = {}, warp_arrived[kMaxThreads / kWarp] = {};
   uint64_t slots[kMaxThreads / kWarp][2][kWarp] = {};
+  std::set<void*> shared_filled;  // the block's __shared__ variables already filled (poison_shared)
   std::string failure;
 };
 
@@ -159,6 +160,7 @@ void run_block(BlockRun& r, unsigned block) {
   }
   r.live = block;
   r.block_arrived = 0;
+  r.shared_filled.clear();
   for (unsigned w = 0; w < (block + kWarp - 1) / kWarp; ++w) {
     r.warp_live[w] = std::min(kWarp, block - w * kWarp);
     r.warp_arrived[w] = 0;
@@ -226,7 +228,11 @@ void note_launch(const void* kernel) {
 const char* last_failure() { return g_last_failure.c_str(); }
 
 void set_last_error(cudaError_t err) {
-  if (g_last_error == cudaSuccess) g_last_error = err;  // sticky until read, like the runtime's
+  if (err != cudaSuccess) g_last_error = err;  // the last error, until read, like the runtime's
+}
+
+void poison_shared(void* p, size_t bytes) {
+  if (g_run->shared_filled.insert(p).second) std::memset(p, 0x7f, bytes);
 }
 
 void sync_threads() {
@@ -236,10 +242,13 @@ void sync_threads() {
   yield();
 }
 
-uint64_t exchange_in_warp(uint64_t bits, unsigned src_lane) {
+uint64_t exchange_in_warp(uint64_t bits, unsigned src_lane, unsigned mask) {
   BlockRun& r = *g_run;
   Fiber& f = *r.current;
   const unsigned warp = f.tid / kWarp;
+  if (mask != 0xffffffffu && r.failure.empty()) {
+    r.failure = "a warp shuffle with mask " + std::to_string(mask) + ": only full-warp shuffles are emulated";
+  }
   const unsigned buffer = f.shuffles++ & 1;
   r.slots[warp][buffer][f.tid % kWarp] = bits;
   f.wait = Wait::Warp;

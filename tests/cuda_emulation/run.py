@@ -33,6 +33,8 @@ TESTS = ["test_ops.py", "test_ops_amp.py", "test_ops_bad_input.py", "test_ops_fu
 
 # kernel<<<grid, block, shared, stream>>>(args);  ->  ::dc_emu::launch(kernel, grid, block, shared, stream, args);
 LAUNCH = re.compile(r"([\w:]+(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(([^;]*?)\);")
+# __shared__ T name[N];  ->  the same, then ::dc_emu::poison_shared(name, sizeof(name));
+SHARED = re.compile(r"(__shared__\s+[\w:]+\s+(\w+)\s*\[[^\]]*\]\s*;)")
 
 
 def emulated_kernel_sources():
@@ -40,11 +42,14 @@ def emulated_kernel_sources():
     src = OUT / "src"
     (src / "cuda").mkdir(parents=True, exist_ok=True)
     kernels = src / "kernels"
-    if not kernels.exists():
+    if kernels.is_symlink() and kernels.readlink() != REPO / "csrc" / "kernels":
+        kernels.unlink()  # a build directory copied or moved from another checkout
+    if not kernels.is_symlink():
         kernels.symlink_to(REPO / "csrc" / "kernels", target_is_directory=True)
     sources = []
     for path in sorted((REPO / "csrc" / "cuda").glob("*.cu*")):
         text, launches = LAUNCH.subn(r"::dc_emu::launch(\1, \2, \3);", path.read_text())
+        text = SHARED.sub(r"\1 ::dc_emu::poison_shared(\2, sizeof(\2));", text)
         if "<<<" in text:
             raise SystemExit(f"{path}: a kernel launch this script cannot rewrite")
         target = src / "cuda" / (path.stem + ".cpp" if path.suffix == ".cu" else path.name)

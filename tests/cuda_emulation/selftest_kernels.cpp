@@ -35,9 +35,24 @@ __global__ void shuffle_over_exited_lanes(int* out) {
 // Shared memory written by every thread before a barrier and read after it by the thread with the mirrored index.
 __global__ void shared_after_barrier(int* out) {
   __shared__ int values[256];
+  ::dc_emu::poison_shared(values, sizeof(values));  // run.py adds this after each declaration in csrc/cuda
   values[threadIdx.x] = int(blockIdx.x * 1000 + threadIdx.x);
   __syncthreads();
   out[blockIdx.x * blockDim.x + threadIdx.x] = values[blockDim.x - 1 - threadIdx.x];
+}
+
+// Slot 1 is never written: it reads the fill.
+__global__ void unwritten_shared(int* out) {
+  __shared__ int values[32];
+  ::dc_emu::poison_shared(values, sizeof(values));
+  if (threadIdx.x == 0) values[0] = 1;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = values[1];
+}
+
+// A shuffle among half a warp: valid CUDA, not emulated, so reported.
+__global__ void partial_mask_shuffle(int* out) {
+  out[threadIdx.x] = __shfl_down_sync(0x0000ffffu, int(threadIdx.x), 1u);
 }
 
 }  // namespace
@@ -48,6 +63,8 @@ int run(int which, int* out, unsigned grid, unsigned block) {
     case 1: ::dc_emu::launch(deadlock, grid, block, 0, nullptr, out); break;
     case 2: ::dc_emu::launch(shuffle_over_exited_lanes, grid, block, 0, nullptr, out); break;
     case 3: ::dc_emu::launch(shared_after_barrier, grid, block, 0, nullptr, out); break;
+    case 4: ::dc_emu::launch(unwritten_shared, grid, block, 0, nullptr, out); break;
+    case 5: ::dc_emu::launch(partial_mask_shuffle, grid, block, 0, nullptr, out); break;
     default: return int(cudaErrorInvalidValue);
   }
   return int(cudaGetLastError());

@@ -1,6 +1,6 @@
 // torch.ops.dc_emulation.selftest(which, grid, block) -> int32 output of the self-test kernel `which` (0 shuffles,
-// 1 deadlock, 2 shuffle over exited lanes, 3 shared memory after a barrier), or a RuntimeError quoting the emulated
-// runtime's report. Only in the emulated build (run.py).
+// 1 deadlock, 2 shuffle over exited lanes, 3 shared memory after a barrier, 4 unwritten shared memory, 5 a
+// partial-mask shuffle), or a RuntimeError quoting the emulated runtime's report. Only in the emulated build (run.py).
 #include <torch/library.h>
 
 #include <ATen/ATen.h>

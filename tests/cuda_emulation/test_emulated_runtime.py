@@ -1,6 +1,7 @@
 """The emulated CUDA runtime of tests/cuda_emulation, tested on kernels of its own (selftest_kernels.cpp): its warp
-shuffles and indices agree with CUDA's definitions, barriers order shared memory, and what a GPU would hang or leave
-undefined on (a deadlocked barrier, a shuffle over exited lanes) is reported. Runs only in run.py's emulated build."""
+shuffles and indices agree with CUDA's definitions, barriers order shared memory, unwritten shared memory reads a
+fill, and what a GPU would hang or leave undefined on (a deadlocked barrier, a shuffle over exited lanes), or the
+emulation cannot do (a partial-mask shuffle), is reported. Runs only in run.py's emulated build."""
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(os.environ.get("DECENT_COMM_TEST_CUDA_EMULATION") != "1",
                                 reason="only in the emulated build (tests/cuda_emulation/run.py)")
 
-SHUFFLES, DEADLOCK, EXITED_LANES, SHARED = range(4)
+SHUFFLES, DEADLOCK, EXITED_LANES, SHARED, UNWRITTEN_SHARED, PARTIAL_MASK = range(6)
 
 
 def selftest(which, grid, block):
@@ -43,3 +44,13 @@ def test_a_deadlocked_barrier_is_reported():
 def test_a_shuffle_over_exited_lanes_is_reported():
     with pytest.raises(RuntimeError, match=r"warp shuffle in block 0, warp 0 with 16 of 32 lanes live"):
         selftest(EXITED_LANES, 1, 64)
+
+
+def test_unwritten_shared_memory_reads_the_fill_in_every_block():
+    out = selftest(UNWRITTEN_SHARED, 3, 64)[:3 * 64]
+    assert torch.all(out == 0x7F7F7F7F)  # a later block does not see an earlier one's values either
+
+
+def test_a_partial_mask_shuffle_is_refused():
+    with pytest.raises(RuntimeError, match=r"only full-warp shuffles are emulated"):
+        selftest(PARTIAL_MASK, 1, 32)

@@ -8,8 +8,11 @@
 // in even blocks and downwards in odd ones, so a missing barrier shows whichever thread reads. Shared memory is a
 // static variable (one block runs at a time), atomics are plain read-modify-writes (one thread runs at a time),
 // streams are synchronous.
+// Shared memory is filled with 0x7f bytes (a huge float, a huge int) when a block first reaches its declaration
+// (run.py adds the call), so a read of a slot no thread wrote shows as on a GPU's garbage.
 // What this cannot show: timing, occupancy, races between blocks, the effects of FMA contraction (nvcc contracts
-// a * b + c where the sources leave it; g++ here does not: -ffp-contract=off), and anything NCCL does.
+// a * b + c where the sources leave it; g++ here does not: -ffp-contract=off), host and device pointers confused (one
+// memory here, and streams are synchronous), partial-mask shuffles (refused), and anything NCCL does.
 #pragma once
 
 #include <cstddef>
@@ -61,28 +64,32 @@ const char* last_failure();
 void set_last_error(cudaError_t err);
 
 void sync_threads();
-// Lane `src` of the calling warp's values (all 32 lanes must take part, as with a full mask on a GPU).
-uint64_t exchange_in_warp(uint64_t bits, unsigned src_lane);
+// Lane `src` of the calling warp's values (all 32 lanes must take part, as with a full mask on a GPU; another mask is
+// reported as a launch failure).
+uint64_t exchange_in_warp(uint64_t bits, unsigned src_lane, unsigned mask);
+// The first thread of a block to declare a __shared__ variable fills it with 0x7f bytes.
+void poison_shared(void* p, size_t bytes);
 
-// With DC_EMULATION_LAUNCH_LOG=<file>, appends the symbol of each kernel the first time this process launches it (for
-// a list of the instantiations the tests ran: run.py --launch-report).
+// With DC_EMULATION_LAUNCH_LOG=<file>, appends the symbol of each kernel the first time this process launches it (the
+// instantiations the tests ran; anonymous-namespace kernels have no dynamic symbol and show as "?").
 void note_launch(const void* kernel);
 
 template <typename... P, typename... A>
 void launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t /*shared_bytes*/, cudaStream_t /*stream*/,
             A&&... args) {
   note_launch(reinterpret_cast<const void*>(kernel));
-  // Kernel parameters are copies, converted as the call would convert them.
+  // Kernel parameters are copies of the arguments in the kernel's parameter types (direct initialization: it also
+  // accepts explicit conversions, which a real launch would not compile).
   const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
   set_last_error(run_grid(grid, block, [&] { std::apply(kernel, params); }));
 }
 
 template <typename T>
-T shuffle_from(T v, unsigned src_lane) {
+T shuffle_from(T v, unsigned src_lane, unsigned mask) {
   static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  bits = exchange_in_warp(bits, src_lane);
+  bits = exchange_in_warp(bits, src_lane, mask);
   std::memcpy(&v, &bits, sizeof(T));
   return v;
 }
@@ -91,14 +98,16 @@ T shuffle_from(T v, unsigned src_lane) {
 
 inline void __syncthreads() { dc_emu::sync_threads(); }
 
+// Width 32. A source lane past the warp gives the calling lane's own value, as CUDA defines.
 template <typename T>
-T __shfl_down_sync(unsigned /*mask*/, T v, unsigned delta) {
+T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
   const unsigned lane = threadIdx.x % 32;
-  return dc_emu::shuffle_from(v, lane + delta < 32 ? lane + delta : lane);  // out of range: the lane's own value
+  return dc_emu::shuffle_from(v, lane + delta < 32 ? lane + delta : lane, mask);
 }
 template <typename T>
-T __shfl_xor_sync(unsigned /*mask*/, T v, unsigned lane_mask) {
-  return dc_emu::shuffle_from(v, (threadIdx.x % 32) ^ lane_mask);
+T __shfl_xor_sync(unsigned mask, T v, unsigned lane_mask) {
+  const unsigned lane = threadIdx.x % 32;
+  return dc_emu::shuffle_from(v, (lane ^ lane_mask) < 32 ? lane ^ lane_mask : lane, mask);
 }
 
 inline float atomicAdd(float* p, float v) {
