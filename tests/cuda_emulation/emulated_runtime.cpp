@@ -15,6 +15,15 @@
 
 #include "cuda_runtime.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+// A fiber abandoned mid-kernel (a deadlocked block) leaves its frames' redzones poisoned on a stack the next block
+// reuses: every fiber starts from a clean stack.
+#define DC_EMU_CLEAN_STACK(p, n) __asan_unpoison_memory_region((p), (n))
+#else
+#define DC_EMU_CLEAN_STACK(p, n) ((void)(p), (void)(n))
+#endif
+
 thread_local dc_emu_index threadIdx, blockIdx, blockDim, gridDim;
 
 namespace dc_emu {
@@ -156,6 +165,7 @@ void run_block(BlockRun& r, unsigned block) {
     Fiber& f = r.fibers[t];
     f = Fiber{};
     f.tid = t;
+    DC_EMU_CLEAN_STACK(stack(t), kStackBytes);
     f.sp = initial_sp(stack(t));
   }
   r.live = block;
