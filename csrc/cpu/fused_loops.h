@@ -48,6 +48,12 @@ void run_reduced_loop(const FusedOperands& o, const LoopContext<XD, ND>& ctx, Lo
 }
 
 template <typename Range, DType XD, DType ND>
+void run_plain(const FusedOperands& o, const HyperParams& hp) {
+  const LoopContext<XD, ND> ctx(o, hp);
+  run_plain_loop(o, ctx, pick_loop<Range, XD, ND>(o));
+}
+
+template <typename Range, DType XD, DType ND>
 void run_reduced(const FusedOperands& o, const HyperParams& hp) {
   const LoopContext<XD, ND> ctx(o, hp);
   run_reduced_loop(o, ctx, pick_loop<Range, XD, ND>(o));
@@ -73,10 +79,7 @@ void run_fixed_k(const FusedOperands& o, const HyperParams& hp) {
   if constexpr (ND == DType::Float32 && K >= 2) {
     if (o.payloads.count == K - 1) return run_dequantizing<XD, Update, K - 1>(o, hp);
   }
-  if (o.disagreement == nullptr) {
-    const LoopContext<XD, ND> ctx(o, hp);
-    return run_plain_loop(o, ctx, pick_loop<SinglePass<XD, ND, Update, K, false>, XD, ND>(o));
-  }
+  if (o.disagreement == nullptr) return run_plain<SinglePass<XD, ND, Update, K, false>, XD, ND>(o, hp);
   run_reduced<SinglePass<XD, ND, Update, K, true>, XD, ND>(o, hp);
 }
 
