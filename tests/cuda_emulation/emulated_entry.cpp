@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <cuda_runtime.h>  // the emulation's (shim/)
+
 #include "kernels/fused_launch.h"
 #include "kernels/int8_codec_launch.h"
 
@@ -12,7 +14,7 @@ namespace {
 
 void check(int err, const char* what) {
   if (err == 0) return;
-  if (err == 1) {  // cudaErrorInvalidValue: operands the CUDA kernels refuse (float64: CPU-only)
+  if (err == cudaErrorInvalidValue) {  // operands the CUDA kernels refuse (float64: CPU-only)
     throw std::invalid_argument(std::string("decent_comm CUDA emulation: ") + what + " refused the operands (" +
                                 cuda_error_string(err) + "; float64, for one, has no CUDA kernel)");
   }

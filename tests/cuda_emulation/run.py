@@ -108,12 +108,12 @@ def main(pytest_args):
     if os.environ.get("DC_EMULATION_CHILD") == "1":
         build()
         return 0
-    subprocess.run([sys.executable, __file__], env={**os.environ, "DC_EMULATION_CHILD": "1", **sanitizer_env()},
-                   check=True)
+    sanitizers = sanitizer_env()
+    subprocess.run([sys.executable, __file__], env={**os.environ, "DC_EMULATION_CHILD": "1", **sanitizers}, check=True)
     package = OUT / "pkg"
     env = {**os.environ, "PYTHONPATH": f"{package}{os.pathsep}{HERE}", "DECENT_COMM_TEST_CUDA_EMULATION": "1",
            "DC_EMULATED_PACKAGE": str(package / "decent_comm"), "DECENT_COMM_CUDA": "0",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **sanitizer_env()}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **sanitizers}
     tests = [str(HERE / "test_emulated_runtime.py")] + [str(REPO / "tests" / t) for t in TESTS]
     args = pytest_args or ["-q", "-p", "no:cacheprovider"]
     # pyproject.toml's pythonpath puts the checkout first; here the emulated package comes first, and the guard
