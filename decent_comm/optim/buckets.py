@@ -337,7 +337,7 @@ def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
 
 
 def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
-    return b.numel * (torch.empty((), dtype=dtype or b.dtype).element_size())
+    return b.numel * (dtype or b.dtype).itemsize
 
 
 def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> None:

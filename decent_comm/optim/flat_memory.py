@@ -31,7 +31,7 @@ def flat_buffer(numel: int, dtype: torch.dtype, device, lane: int, zero: bool = 
     device = torch.device(device)
     if device.type != "cpu":
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     raw = torch.empty(numel + PAGE_BYTES // element, dtype=dtype)
     # torch's CPU allocator aligns to 64 bytes, so the distance to the lane is a whole number of elements; if some
     # allocator did not, the buffer simply starts where the allocation does.
