@@ -127,6 +127,35 @@ def test_options_that_differ_between_ranks_are_named_on_every_rank(option):
         assert "rank 1" in m and option.split()[0] in m, (option, m)
 
 
+ONE_RANK_REFUSES = {  # rank 1's options fail its own checks; the others' are valid
+    "mode": (dict(mode="AWC"), "mode must be one of"),
+    "delayed_mix": (dict(mode="atc", delayed_mix=True), "delayed_mix=True needs mode='awc'"),
+    "topology": (dict(topology="one-peer-hypercube"), "one-peer-hypercube"),  # needs a power of 2 ranks
+    "timeout": (dict(timeout=-1), "timeout must be a positive number"),
+}
+
+
+def _one_rank_refuses(rank, n, case):
+    kw, _ = ONE_RANK_REFUSES[case]
+    start = time.monotonic()
+    try:  # no timeout: the group's own (30 min) would be the wait for a rank that never comes
+        opt = decent_comm.DAdamW(make_model(rank).parameters(), **dict(dict(topology="ring"), **(kw if rank == 1 else {})))
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    opt.shutdown()
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_REFUSES))
+def test_options_one_rank_refuses_are_named_on_every_rank_at_once(case):
+    reason = ONE_RANK_REFUSES[case][1]
+    for r, (kind, msg, seconds) in enumerate(run_ranks(_one_rank_refuses, 3, case, timeout=120)):
+        assert kind == "ValueError" and reason in msg, (r, kind, msg)
+        if r != 1:
+            assert "rank 1 refused to build the optimizer" in msg, msg
+        assert seconds < 20, (r, seconds)
+
+
 def _load_other_ranks_state(rank, n):
     model = make_model(rank)
     opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=20)

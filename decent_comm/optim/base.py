@@ -1,6 +1,7 @@
 """What every decentralized optimizer shares on top of torch.optim.Optimizer: flat buckets, a
 ``GossipSchedule`` (decent_comm.optim.schedule) that does the communication, the AWC/ATC order of a step,
-AMP, state_dict, and the collective utilities.
+AMP, state_dict (decent_comm.optim.checkpointing), what users edit between steps (decent_comm.optim.user_edits), and
+the collective utilities.
 
 Semantics (t counts optimizer steps from 0; W'(t) = (1 - a_t) I + a_t W(t)):
   awc  x_i^{t+1} = sum_j W'_ij(t) x_j^t - lr * d_i^t          (one fused kernel per bucket; the exchange
@@ -20,28 +21,23 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from . import amp, diagnostics, state_dict_hooks
+from . import amp, diagnostics
 from .adaptation import sq_dist, sum_scalars
-from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, drop_named_state,
-                      gather_grads, gather_named_state, load_state, publish_named_state, publish_state, refine_classes,
+from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
                       segments, spread_count, zero_grads)
-from .int8_wire import PREFIX as WIRE_PREFIX
-from .int8_wire import Int8Wire
+from .checkpointing import StateDictMixin
 from .plan import Cadence, MixInputs
-from .schedule import CORRECTION, MODES, GossipSchedule
-from .schedule_state import check_schedule_state
+from .schedule import MODES, GossipSchedule
+from .state_views import publish_state
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
-                      resolve_topology, verify_replicas)
+                      resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
+from .user_edits import adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout, state_edited
 
 __all__ = ["DecentralizedMixin", "MODES"]
 
 
-#: param_groups[0] key of where the gossip schedule stands (GossipSchedule.state_dict())
-SCHEDULE_KEY = "decentralized"
-
-
-class DecentralizedMixin(diagnostics.ReplicaWatch):
+class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     """Mixed into a torch.optim.Optimizer subclass. A fused subclass implements `_local_update(bucket, seg_slice,
     group, step, neighbors, self_weight, weights, disagreement, **op_kwargs)`, one fused kernel call over a slice of
     a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf keywords in
@@ -65,32 +61,46 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
     def _init_decentralized(self, *, topology, mode, process_group, bucket_cap_mb, comm_dtype, consensus, model,
                             broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False,
                             gossip_every=1, warmup_steps=0, delayed_mix=False):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_options(timeout=timeout, comm_dtype=comm_dtype)
-        cadence = Cadence(gossip_every, warmup_steps, delayed_mix)
-        if delayed_mix and mode != "awc":
-            raise ValueError("delayed_mix=True needs mode='awc': the delayed mix is applied inside the fused update "
-                             "of the next gossip round (ATC mixes before the next forward, which a delay defeats)")
-        self._check_group_options(self.param_groups)
         self.process_group = process_group
         self.rank, self.world_size = distributed_context(process_group)
-        topology = resolve_topology(topology, self.world_size)
-        self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
-        self._ddp_guard = DDPGuard(self, self._buckets, model)
-        self._num_groups = len(self.param_groups)
+        # What this rank refuses is told to the others when they meet in verify_replicas, so that every rank raises
+        # at once, naming this rank and why, instead of waiting for it until the timeout.
+        config, refusal = None, None
+        try:
+            if mode not in MODES:
+                raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            check_options(timeout=timeout, comm_dtype=comm_dtype, model=model)
+            cadence = Cadence(gossip_every, warmup_steps, delayed_mix)
+            if delayed_mix and mode != "awc":
+                raise ValueError("delayed_mix=True needs mode='awc': the delayed mix is applied inside the fused "
+                                 "update of the next gossip round (ATC mixes before the next forward, which a delay "
+                                 "defeats)")
+            self._check_group_options(self.param_groups)
+            topology = resolve_topology(topology, self.world_size)
+            self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
+            self._ddp_guard = DDPGuard(self, self._buckets, model)
+            if self.world_size > 1:
+                config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
+                                        mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
+                                        bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every,
+                                        warmup_steps=warmup_steps, delayed_mix=delayed_mix,
+                                        broadcast_init=broadcast_init, check_finite=check_finite)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+            refusal = e
+        if self.world_size > 1:
+            try:
+                verify_replicas(config, process_group, self.world_size, usable_timeout(timeout), refusal=refusal)
+            except Exception:
+                if refusal is None:
+                    raise  # else this rank's own refusal, the cause, is what it raises
+        if refusal is not None:
+            raise refusal
+        self._groups_built = group_layout(self.param_groups)
         self._closure, self._closure_loss = None, None
         self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         self._model = model
-        if self.world_size > 1:
-            config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
-                                    mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
-                                    bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every, warmup_steps=warmup_steps,
-                                    delayed_mix=delayed_mix,
-                                    broadcast_init=broadcast_init, check_finite=check_finite)
-            verify_replicas(config, process_group, self.world_size, timeout)
-            if broadcast_init:
-                broadcast_from_rank0(self._buckets, process_group)
+        if self.world_size > 1 and broadcast_init:
+            broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
             process_group=process_group, consensus=consensus, lr=self._lr0, comm_dtype=comm_dtype, timeout=timeout,
@@ -159,13 +169,12 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         if self._ddp_guard is not None:  # a DDP wrap would have shown in the forward before the first step
             self._ddp_guard.remove()
             self._ddp_guard = None
-        if len(self.param_groups) != self._num_groups:
-            raise RuntimeError(f"decent_comm: the optimizer was built with {self._num_groups} param group(s) and now "
-                               f"has {len(self.param_groups)}: groups added later (e.g. to the wrapped optimizer) "
-                               "would be neither updated nor averaged; pass every group at construction")
-        if self._is_state_initialization():
+        check_param_groups(self.param_groups, self._groups_built)
+        self._schedule.check_running()
+        if closure is None and self._is_state_initialization():
             self._initialize_state()
             return None
+        self._adopt_state_edits()
         loss, self._closure_loss = None, None
         self._closure = closure if self._closure_for_inner() else None
         if closure is not None and self._closure is None:
@@ -188,7 +197,13 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
         step() at lr 0 on zero gradients. Such a step must neither communicate nor advance the schedule."""
         if self.state or any(float(g["lr"]) != 0.0 for g in self.param_groups):
             return False
-        return all(p.grad is None or not p.grad.any() for p in self._param_list())
+        return all(p.grad is None or not p.grad.any() for p in self._param_list()) and called_by_checkpoint_init()
+
+    def _adopt_state_edits(self):
+        """opt.state edited since the last step (user_edits): the flat buffers take it, as torch.optim would."""
+        names = lambda b: self._state_names(self.param_groups[b.group_index])  # noqa: E731
+        if state_edited(self._buckets, self.state, names):
+            adopt_state_edits(self._buckets, self.param_groups, self.state, names)
 
     def _initialize_state(self):
         """Every parameter's state, zero, as views (its step count stays 0: the next step is the first)."""
@@ -320,76 +335,6 @@ class DecentralizedMixin(diagnostics.ReplicaWatch):
 
     def _param_list(self):
         return [p for g in self.param_groups for p in g["params"]]
-
-    def _optimizer_state_dict(self) -> dict:
-        """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
-        with state_dict_hooks.suspended(self):
-            return super().state_dict()
-
-    def _load_optimizer_state_dict(self, state_dict: dict):
-        saved_state = state_dict.get("state", {})
-        # As torch.optim: the saved groups' "params" (indices, or FQNs from torch.distributed.checkpoint) name the
-        # current parameters by position.
-        saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
-        param_of = dict(zip(saved_ids, self._param_list()))
-        with state_dict_hooks.suspended(self):
-            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        load_state(self._buckets, saved_state, param_of, self.state,
-                   lambda b: self._state_names(self.param_groups[b.group_index]))
-
-    def state_dict(self):
-        return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
-
-    def _state_dict(self):
-        self.synchronize()
-        self._publish_correction(self._schedule.checkpoint_correction())
-        sd = self._optimizer_state_dict()
-        # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
-        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
-        sd["param_groups"][0][SCHEDULE_KEY] = self._show_schedule()
-        return sd
-
-    def _show_schedule(self) -> dict:
-        """Puts where the schedule stands into the live param group 0 too: torch.distributed.checkpoint's flattened
-        form (flatten_optimizer_state_dict=True) restores only the group keys the live optimizer has."""
-        where = self._schedule.state_dict()
-        self.param_groups[0][SCHEDULE_KEY] = where
-        return dict(where)
-
-    def load_state_dict(self, state_dict):
-        state_dict_hooks.load_with_hooks(self, state_dict, self._load_state_dict)
-
-    def _load_state_dict(self, state_dict):
-        groups = [dict(g) for g in state_dict["param_groups"]]
-        extra = state_dict.pop(SCHEDULE_KEY, None)
-        extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
-        state_dict["param_groups"] = groups
-        # before anything is loaded:
-        self._check_group_options(groups)
-        int8_wire = self._schedule.wire is not None
-        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,
-                                                       len(self._param_list()))
-        self._load_optimizer_state_dict(state_dict)
-        if restart_copies:
-            drop_named_state(self._buckets, self.state, WIRE_PREFIX)
-        self._gather_correction()
-        self._schedule.load_state_dict(extra)
-        self._show_schedule()
-
-    # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
-    _correction_for_stateless_params = True
-
-    def _publish_correction(self, pending: bool):
-        """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
-        state, so torch.save and DCP carry them."""
-        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
-        for name in Int8Wire.state_names(self._buckets):
-            publish_named_state(self._buckets, self.state, name, True, self._correction_for_stateless_params)
-
-    def _gather_correction(self):
-        wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
-        for name in [CORRECTION] + sorted(wire):
-            gather_named_state(self._buckets, self.state, name)
 
     # ----------------------------------------------------------------------------------------- teardown
 

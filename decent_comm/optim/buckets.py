@@ -42,7 +42,7 @@ class Bucket:
     # Per slot: optimizer steps taken. A float32 CPU tensor, like torch's state["step"]: opt.state[p]["step"]
     # is a view of its entry, so what torch.optim tools read and write is what the kernels use.
     step_count: torch.Tensor = None
-    published: List[bool] = field(default_factory=list)  # per slot: opt.state[p] holds its views
+    published: List[Optional[dict]] = field(default_factory=list)  # per slot: the views opt.state[p] got, if any
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
@@ -112,7 +112,7 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
     for b in buckets:
         _materialize(b)
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
-        b.published = [False] * len(b.slots)
+        b.published = [None] * len(b.slots)
     return buckets
 
 
@@ -243,92 +243,13 @@ def count_on_device(b: Bucket, state) -> None:
     b.step_count = b.step_count.to(b.device)
     for i, s in enumerate(b.slots):
         if b.published[i]:
-            state[s.param]["step"] = b.step_count[i]
+            state[s.param]["step"] = b.published[i]["step"] = b.step_count[i]
 
 
 def spread_count(b: Bucket, seg: Segment) -> None:
     """The kernel advanced the count of the segment's first slot: the others of the segment take it."""
     if seg.last > seg.first:
         b.step_count[seg.first + 1: seg.last + 1].copy_(b.step_count[seg.first])
-
-
-def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Optional[List[bool]] = None) -> None:
-    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
-    `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
-    semantics: no state before a parameter's first update)."""
-    if all(b.published):
-        return
-    for i, s in enumerate(b.slots):
-        if not b.published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
-            st = state[s.param]
-            for name, buf in b.state.items():
-                st[name] = b.view(buf, s)
-            st["step"] = b.step_count[i]
-            b.published[i] = True
-
-
-@torch.no_grad()
-def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state,
-               state_names: Callable[[Bucket], List[str]]) -> None:
-    """Copies a torch.optim state_dict's per-parameter state into the flat buffers. `param_of`: saved key (an
-    index, or an FQN from torch.distributed.checkpoint) -> the parameter it names. `state_names(b)`: bucket b's
-    optimizer-state buffers; a parameter the saved state gives none of them starts afresh (zero buffers, count 0),
-    as in a torch optimizer that loads it. A parameter given them without a count (torch.optim.SGD saves none) has
-    stepped: count 1.
-
-    The saved tensors may be this optimizer's own views: opt.load_state_dict(opt.state_dict()), or
-    torch.distributed.checkpoint loading into get_state_dict's tensors in place. So everything is read before
-    anything is written: the counts as numbers, and a saved tensor sharing memory with the buckets is cloned unless
-    it is its own destination (then it stays where it is)."""
-    slot_of = find_bucket_of(buckets)
-    bucket_memory = {t.untyped_storage().data_ptr() for b in buckets for t in [b.step_count, *b.state.values()]}
-    loaded: Dict[tuple, tuple] = {}  # (id(bucket), slot index) -> (count or None, {name: tensor to copy or None})
-    for key, st in saved_state.items():
-        p = param_of.get(key)
-        if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
-            p = param_of.get(int(key))
-        if p is None or not st:
-            continue
-        b, i = slot_of[id(p)]
-        count, tensors = None, {}
-        for name, value in st.items():
-            if name == "step":
-                count = float(value)
-            elif value is not None:
-                tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
-        loaded[(id(b), i)] = (count, tensors)
-    for b in buckets:
-        b.step_count.zero_()
-        b.published = [False] * len(b.slots)
-        names = state_names(b)
-        for i, s in enumerate(b.slots):
-            count, tensors = loaded.get((id(b), i), (None, {}))
-            for name, value in tensors.items():
-                if value is not None:
-                    b.view(b.state_buffer(name), s).copy_(value)
-            for name in names:
-                if name not in tensors and name in b.state:
-                    b.view(b.state[name], s).zero_()
-            if count is not None:
-                b.step_count[i] = count
-            elif any(name in tensors for name in names):
-                b.step_count[i] = 1.0
-        if b.classes is not None:  # the loaded counts decide which slots agree
-            b.classes = _classes_of(b.step_count.tolist())
-        publish_state(b, state)
-
-
-def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: set):
-    """`value` to copy into slot i's buffer `name`: None when it is that very view already, a clone when it shares
-    memory with the buckets otherwise (loading writes them), else itself."""
-    if not torch.is_tensor(value) or value.untyped_storage().data_ptr() not in bucket_memory:
-        return value
-    buf = b.state.get(name)
-    if buf is not None:
-        dest = b.view(buf, b.slots[i])
-        if value.data_ptr() == dest.data_ptr() and value.shape == dest.shape and value.stride() == dest.stride():
-            return None
-    return value.clone()
 
 
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
@@ -338,44 +259,6 @@ def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
 
 def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
     return b.numel * (dtype or b.dtype).itemsize
-
-
-def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> None:
-    """opt.state[p][name]: views of each bucket's flat buffer `name` when `present` (for every parameter, or with
-    `stateless_too` False only those that have state already: a wrapped torch optimizer initializes a parameter's
-    state only when it finds none); removed from opt.state otherwise."""
-    for b in buckets:
-        buf = b.state.get(name) if present else None
-        for s in b.slots:
-            st = state.get(s.param)
-            if buf is not None and (st or stateless_too):
-                state[s.param][name] = b.view(buf, s)
-            elif st:
-                st.pop(name, None)
-
-
-def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
-    """Removes every flat buffer whose name starts with `prefix` and its views in opt.state (recreated zero on use)."""
-    for b in buckets:
-        for name in [n for n in b.state if n.startswith(prefix)]:
-            del b.state[name]
-    for st in state.values():
-        for name in [n for n in st if isinstance(n, str) and n.startswith(prefix)]:
-            del st[name]
-
-
-@torch.no_grad()
-def gather_named_state(buckets: List[Bucket], state, name: str) -> None:
-    """After loading, opt.state[p][name] into each bucket's flat buffer `name` (load_state has put the fused
-    optimizers' there already, as views; a wrapped optimizer holds loose tensors)."""
-    for b in buckets:
-        parts = [(s, state.get(s.param, {}).get(name)) for s in b.slots]
-        if any(v is not None for _, v in parts):
-            buf = b.state_buffer(name)
-            for s, v in parts:
-                view = b.view(buf, s)
-                if v is not None and v.data_ptr() != view.data_ptr():
-                    view.copy_(v)
 
 
 @torch.no_grad()

@@ -70,6 +70,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._wire_round = None          # int8 wire: (step, factor) of the round in flight at the last checkpoint
         self._wire_restored = False      # int8 wire: inflight is a checkpoint's round, nothing to wait for
         self._hooks = None               # atc: MixBeforeUse
+        self._shut_down = False          # shutdown() released the exchange: no more steps
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
@@ -358,7 +359,14 @@ class GossipSchedule(ScheduleCheckpoint):
     def bytes_sent(self) -> int:
         return self.exchange.bytes_sent if self.exchange is not None else 0
 
+    def check_running(self):
+        """RuntimeError after shutdown(): without its exchange a step would go on mixing the buffers received last."""
+        if self._shut_down:
+            raise RuntimeError("decent_comm: step() after shutdown(): the optimizer has released its exchange, so a "
+                               "step would mix stale neighbour buffers; build a new optimizer to train on")
+
     def shutdown(self):
+        self._shut_down = True
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None

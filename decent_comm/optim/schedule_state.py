@@ -92,22 +92,29 @@ class ScheduleCheckpoint:
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
 
+    def check_loadable(self, extra: Optional[dict]):
+        """ValueError when a checkpoint's extras are another schedule's (rank, world size, cadence, topology); called
+        before the optimizer loads anything, so a refused state_dict leaves it as it was."""
+        if extra is None:
+            return
+        for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
+            if key in extra and extra[key] != mine:
+                raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
+                                 " every rank loads its own state_dict (its optimizer state and where the gossip "
+                                 "schedule stands). To start a schedule afresh from another rank's moments, drop "
+                                 "the 'decentralized' entry before loading.")
+        for key in ("gossip_every", "warmup_steps", "delayed_mix"):
+            if key in extra and extra[key] != getattr(self.cadence, key):
+                raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
+                                 f"{key}={getattr(self.cadence, key)}")
+        if extra["topology"] != self.topology.fingerprint():
+            raise ValueError("the checkpoint was written with another topology (fingerprint "
+                             f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
+
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
+        self.check_loadable(extra)
         if extra is not None:
-            for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
-                if key in extra and extra[key] != mine:
-                    raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
-                                     " every rank loads its own state_dict (its optimizer state and where the gossip "
-                                     "schedule stands). To start a schedule afresh from another rank's moments, drop "
-                                     "the 'decentralized' entry before loading.")
-            for key in ("gossip_every", "warmup_steps", "delayed_mix"):
-                if key in extra and extra[key] != getattr(self.cadence, key):
-                    raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
-                                     f"{key}={getattr(self.cadence, key)}")
-            if extra["topology"] != self.topology.fingerprint():
-                raise ValueError("the checkpoint was written with another topology (fingerprint "
-                                 f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
             self.t = int(extra["step"])
             self._resume_factor = extra.get("next_factor")
             if extra.get("consensus") is not None and hasattr(self.consensus, "load_state_dict"):

@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -25,7 +26,11 @@ def distributed_context(process_group):
         if process_group is not None:
             raise RuntimeError("a process_group was given but torch.distributed is not initialized")
         return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process_group given: "
+                         "build the optimizer on the ranks of that group only")
+    return rank, dist.get_world_size(process_group)
 
 
 def timeout_seconds(timeout):
@@ -33,9 +38,22 @@ def timeout_seconds(timeout):
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
 
 
-def check_options(*, timeout, comm_dtype):
+def usable_timeout(timeout):
+    """`timeout` when it is a valid option value, else None (the process group's own): the meeting of a rank that
+    refuses its options (verify_replicas) must still be bounded by something."""
+    try:
+        check_options(timeout=timeout, comm_dtype=None)
+    except ValueError:
+        return None
+    return timeout
+
+
+def check_options(*, timeout, comm_dtype, model=None):
     """Options that are only used once there are peers, checked at any world size (a script that works on one
     rank must not fail on the first multi-rank run)."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be the torch.nn.Module whose forward uses the parameters (or None), got "
+                         f"{type(model).__name__}")
     if timeout is not None:
         seconds = timeout_seconds(timeout)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
@@ -121,6 +139,10 @@ def replica_config(buckets, topology, param_groups, **options) -> dict:
     return config
 
 
+# the config of a rank that refused its options: the reason
+_REFUSED = "refused"
+
+
 def _difference(name, mine, ref) -> str:
     if isinstance(mine, list) and isinstance(ref, list):
         if len(mine) != len(ref):
@@ -135,9 +157,12 @@ def _difference(name, mine, ref) -> str:
     return f"{name} is {mine!r} but on rank 0 it is {ref!r}"
 
 
-def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
+def verify_replicas(config: Optional[dict], process_group, world_size: int, timeout=None,
+                    refusal: Optional[Exception] = None):
     """Every rank gathers every rank's `config` (replica_config) and raises the same error naming the first
     rank and the first option that differ from rank 0, so no rank goes on to exchange mismatched buffers.
+    A rank that refused its own options (`refusal`, which it raises itself afterwards) sends that instead, and every
+    other rank raises a ValueError naming it and its reason, as soon as all have met.
     The first meeting of a construction: the ranks meet within `timeout` (seconds; None: the group's own), else
     every rank raises ExchangeTimeout naming the ranks that did not come (exchange.arrival). The configs travel
     through the default group's store, not a gloo collective: gloo's worker thread drops its references to a
@@ -150,12 +175,19 @@ def verify_replicas(config: dict, process_group, world_size: int, timeout=None):
         return
     # every rank has arrived and puts its config next (one that dies in between is named after the wait)
     seconds = timeout_s(process_group, seconds)
-    sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(config),
+    mine = config if refusal is None else {_REFUSED: f"{type(refusal).__name__}: {refusal}"}
+    sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(mine),
                           seconds)
     if missing:
         raise ExchangeTimeout(f"decent_comm: building the optimizer: {ranks_text(missing)} arrived but did not send "
                               f"its configuration within {seconds:g} s")
+    if refusal is not None:
+        return
     everyone = [pickle.loads(sides[r]) for r in range(world_size)]
+    refused = [r for r, c in enumerate(everyone) if _REFUSED in c]
+    if refused:
+        raise ValueError(f"decent_comm: {ranks_text(refused)} refused to build the optimizer (rank {refused[0]}: "
+                         f"{everyone[refused[0]][_REFUSED]}); every rank must build it with the same valid options")
     ref = everyone[0]
     for r, other in enumerate(everyone):
         for name, value in other.items():

@@ -78,6 +78,9 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def _initialize_state(self):
         self.inner.step()  # the wrapped optimizer initializes its own state (torch semantics), without gossip
 
+    def _adopt_state_edits(self):
+        """Nothing to adopt: the wrapped optimizer keeps its own state in opt.state and reads it at every step."""
+
     @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:

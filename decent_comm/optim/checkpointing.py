@@ -1,0 +1,90 @@
+"""state_dict and load_state_dict of the decentralized optimizers, mixed into DecentralizedMixin: torch.optim's
+format (per-parameter state, views of the flat buffers, and param groups), with where the gossip schedule stands in
+param group 0 and, for an exact resume, a delayed round's correction and the 8-bit wire's public copies as
+per-parameter state. A state_dict that cannot load is refused before anything is loaded.
+"""
+
+from . import state_dict_hooks
+from .int8_wire import PREFIX as WIRE_PREFIX
+from .int8_wire import Int8Wire
+from .schedule import CORRECTION
+from .schedule_state import check_schedule_state
+from .state_views import drop_named_state, gather_named_state, publish_named_state, read_state, write_state
+
+#: param_groups[0] key of where the gossip schedule stands (GossipSchedule.state_dict())
+SCHEDULE_KEY = "decentralized"
+
+
+class StateDictMixin:
+    """Reads the optimizer's _buckets, _schedule, state, param_groups, _state_names and _check_group_options."""
+
+    def _optimizer_state_dict(self) -> dict:
+        """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
+        with state_dict_hooks.suspended(self):
+            return super().state_dict()
+
+    def _load_optimizer_state_dict(self, state_dict: dict):
+        saved_state = state_dict.get("state", {})
+        # As torch.optim: the saved groups' "params" (indices, or FQNs from torch.distributed.checkpoint) name the
+        # current parameters by position.
+        saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
+        param_of = dict(zip(saved_ids, self._param_list()))
+        loaded = read_state(self._buckets, saved_state, param_of)  # raises before anything is loaded
+        with state_dict_hooks.suspended(self):
+            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        write_state(self._buckets, loaded, self.state, lambda b: self._state_names(self.param_groups[b.group_index]))
+
+    def state_dict(self):
+        return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self):
+        self.synchronize()
+        self._publish_correction(self._schedule.checkpoint_correction())
+        sd = self._optimizer_state_dict()
+        # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
+        # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
+        sd["param_groups"][0][SCHEDULE_KEY] = self._show_schedule()
+        return sd
+
+    def _show_schedule(self) -> dict:
+        """Puts where the schedule stands into the live param group 0 too: torch.distributed.checkpoint's flattened
+        form (flatten_optimizer_state_dict=True) restores only the group keys the live optimizer has."""
+        where = self._schedule.state_dict()
+        self.param_groups[0][SCHEDULE_KEY] = where
+        return dict(where)
+
+    def load_state_dict(self, state_dict):
+        state_dict_hooks.load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict):
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        extra = state_dict.pop(SCHEDULE_KEY, None)
+        extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
+        state_dict["param_groups"] = groups
+        # before anything is loaded:
+        self._check_group_options(groups)
+        int8_wire = self._schedule.wire is not None
+        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,
+                                                       len(self._param_list()))
+        self._schedule.check_loadable(extra)
+        self._load_optimizer_state_dict(state_dict)
+        if restart_copies:
+            drop_named_state(self._buckets, self.state, WIRE_PREFIX)
+        self._gather_correction()
+        self._schedule.load_state_dict(extra)
+        self._show_schedule()
+
+    # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
+    _correction_for_stateless_params = True
+
+    def _publish_correction(self, pending: bool):
+        """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
+        state, so torch.save and DCP carry them."""
+        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
+        for name in Int8Wire.state_names(self._buckets):
+            publish_named_state(self._buckets, self.state, name, True, self._correction_for_stateless_params)
+
+    def _gather_correction(self):
+        wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
+        for name in [CORRECTION] + sorted(wire):
+            gather_named_state(self._buckets, self.state, name)

@@ -1,0 +1,148 @@
+"""opt.state as views of the flat buckets: torch.optim tools (state_dict, schedulers, user code) read and write each
+parameter's state there, while the fused kernels update the flat float32 buffers behind the views. Publishing the
+views, loading a state_dict into the buffers (validated in full before anything is written), and the extra named
+buffers (the 8-bit wire's copies, a delayed round's correction) that state_dict() carries for checkpoints.
+"""
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .buckets import Bucket, _classes_of, find_bucket_of
+
+
+def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Optional[List[bool]] = None) -> None:
+    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
+    `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
+    semantics: no state before a parameter's first update)."""
+    if all(b.published):
+        return
+    for i, s in enumerate(b.slots):
+        if not b.published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
+            views = {name: b.view(buf, s) for name, buf in b.state.items()}
+            views["step"] = b.step_count[i]
+            state[s.param].update(views)
+            b.published[i] = views
+
+
+#: what read_state found for each slot it loads: (id(bucket), slot index) -> (count or None, {name: tensor to copy,
+#: or None where the saved tensor is that slot's own view already})
+Loaded = Dict[tuple, tuple]
+
+
+def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state,
+               state_names: Callable[[Bucket], List[str]]) -> None:
+    """Copies a torch.optim state_dict's per-parameter state into the flat buffers: write_state(read_state(...))."""
+    write_state(buckets, read_state(buckets, saved_state, param_of), state, state_names)
+
+
+def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict) -> Loaded:
+    """The first half of loading a state_dict's per-parameter state, which writes nothing and raises ValueError for
+    what cannot load (a tensor of another shape than its parameter's, a value that is not a tensor), so that a refused
+    state_dict leaves the optimizer as it was. `param_of`: saved key (an index, or an FQN from
+    torch.distributed.checkpoint) -> the parameter it names.
+
+    The saved tensors may be this optimizer's own views: opt.load_state_dict(opt.state_dict()), or
+    torch.distributed.checkpoint loading into get_state_dict's tensors in place. So everything is read before
+    anything is written: the counts as numbers, and a saved tensor sharing memory with the buckets is cloned unless
+    it is its own destination (then it stays where it is)."""
+    slot_of = find_bucket_of(buckets)
+    bucket_memory = {t.untyped_storage().data_ptr() for b in buckets for t in [b.step_count, *b.state.values()]}
+    loaded: Loaded = {}
+    for key, st in saved_state.items():
+        p = param_of.get(key)
+        if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
+            p = param_of.get(int(key))
+        if p is None or not st:
+            continue
+        b, i = slot_of[id(p)]
+        count, tensors = None, {}
+        for name, value in st.items():
+            if name == "step":
+                count = float(value)
+            elif value is not None:
+                if not torch.is_tensor(value) or value.shape != p.shape:
+                    what = f"has shape {tuple(value.shape)}" if torch.is_tensor(value) else f"is a {type(value).__name__}"
+                    raise ValueError(f"state {name!r} of parameter {key!r} {what}, the parameter is a tensor of shape "
+                                     f"{tuple(p.shape)}: nothing was loaded")
+                tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
+        loaded[(id(b), i)] = (count, tensors)
+    return loaded
+
+
+@torch.no_grad()
+def write_state(buckets: List[Bucket], loaded: Loaded, state, state_names: Callable[[Bucket], List[str]]) -> None:
+    """The second half: the flat buffers and counts take what read_state found, and opt.state their views again.
+    `state_names(b)`: bucket b's optimizer-state buffers; a parameter given none of them starts afresh (zero buffers,
+    count 0), as in a torch optimizer that loads it. A parameter given them without a count (torch.optim.SGD saves
+    none) has stepped: count 1."""
+    for b in buckets:
+        b.step_count.zero_()
+        b.published = [None] * len(b.slots)
+        names = state_names(b)
+        for i, s in enumerate(b.slots):
+            count, tensors = loaded.get((id(b), i), (None, {}))
+            for name, value in tensors.items():
+                if value is not None:
+                    b.view(b.state_buffer(name), s).copy_(value)
+            for name in names:
+                if name not in tensors and name in b.state:
+                    b.view(b.state[name], s).zero_()
+            if count is not None:
+                b.step_count[i] = count
+            elif any(name in tensors for name in names):
+                b.step_count[i] = 1.0
+        if b.classes is not None:  # the loaded counts decide which slots agree
+            b.classes = _classes_of(b.step_count.tolist())
+        publish_state(b, state)
+
+
+def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: set):
+    """`value` to copy into slot i's buffer `name`: None when it is that very view already, a clone when it shares
+    memory with the buckets otherwise (loading writes them), else itself."""
+    if not torch.is_tensor(value) or value.untyped_storage().data_ptr() not in bucket_memory:
+        return value
+    buf = b.state.get(name)
+    if buf is not None:
+        dest = b.view(buf, b.slots[i])
+        if value.data_ptr() == dest.data_ptr() and value.shape == dest.shape and value.stride() == dest.stride():
+            return None
+    return value.clone()
+
+
+def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> None:
+    """opt.state[p][name]: views of each bucket's flat buffer `name` when `present` (for every parameter, or with
+    `stateless_too` False only those that have state already: a wrapped torch optimizer initializes a parameter's
+    state only when it finds none); removed from opt.state otherwise."""
+    for b in buckets:
+        buf = b.state.get(name) if present else None
+        for s in b.slots:
+            st = state.get(s.param)
+            if buf is not None and (st or stateless_too):
+                state[s.param][name] = b.view(buf, s)
+            elif st:
+                st.pop(name, None)
+
+
+def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
+    """Removes every flat buffer whose name starts with `prefix` and its views in opt.state (recreated zero on use)."""
+    for b in buckets:
+        for name in [n for n in b.state if n.startswith(prefix)]:
+            del b.state[name]
+    for st in state.values():
+        for name in [n for n in st if isinstance(n, str) and n.startswith(prefix)]:
+            del st[name]
+
+
+@torch.no_grad()
+def gather_named_state(buckets: List[Bucket], state, name: str) -> None:
+    """After loading, opt.state[p][name] into each bucket's flat buffer `name` (load_state has put the fused
+    optimizers' there already, as views; a wrapped optimizer holds loose tensors)."""
+    for b in buckets:
+        parts = [(s, state.get(s.param, {}).get(name)) for s in b.slots]
+        if any(v is not None for _, v in parts):
+            buf = b.state_buffer(name)
+            for s, v in parts:
+                view = b.view(buf, s)
+                if v is not None and v.data_ptr() != view.data_ptr():
+                    view.copy_(v)

@@ -1,0 +1,86 @@
+"""What users change behind an optimizer's back the torch.optim way, and what a step makes of it.
+
+torch.optim reads its param groups and ``opt.state`` afresh at every step, so code written for it may edit them
+between steps: reset the moments (``opt.state.clear()``, ``del opt.state[p]``, ``opt.state[p]["exp_avg"] =
+torch.zeros_like(p)``), or append a parameter to a group. The decentralized optimizers keep parameters and state in
+flat buckets laid out at construction (the same on every rank), with ``opt.state[p]`` holding views of them. So a
+step first checks that nothing was edited: state edits are taken into the flat buffers as torch would take them, and
+edits of the groups' parameters, which the buckets cannot follow, are refused rather than silently ignored.
+
+It also tells torch.distributed.checkpoint's state initialization (a step at lr 0 on zero gradients, which must
+neither communicate nor count) apart from a user's step that merely looks like it.
+"""
+
+import sys
+from typing import Callable, List, Sequence
+
+from .buckets import Bucket
+from .state_views import load_state
+
+
+def group_layout(groups: Sequence[dict]) -> List[tuple]:
+    """Per param group, the ids of its parameters in order: what the buckets were built from."""
+    return [tuple(id(p) for p in g["params"]) for g in groups]
+
+
+def check_param_groups(groups: Sequence[dict], built: List[tuple]) -> None:
+    """RuntimeError when `groups` no longer hold the parameters the buckets were built from (`built`, from
+    group_layout): a group added, a parameter appended to or removed from a group. The buckets (and every other
+    rank's) cannot follow, so the change would be ignored: the new parameter never updated, the removed one still
+    updated and averaged."""
+    if len(groups) != len(built):
+        raise RuntimeError(f"decent_comm: the optimizer was built with {len(built)} param group(s) and now has "
+                           f"{len(groups)}: groups added later (e.g. to the wrapped optimizer) would be neither updated "
+                           "nor averaged; pass every group at construction")
+    for k, (g, ids) in enumerate(zip(groups, built)):
+        params = g["params"]
+        if len(params) != len(ids) or any(id(p) != i for p, i in zip(params, ids)):
+            raise RuntimeError(
+                f"decent_comm: param group {k} holds other parameters than at construction ({len(ids)} then, "
+                f"{len(params)} now): the parameters are laid out in flat buckets at construction, the same on every "
+                "rank, so one added to a group later would never be updated and one removed would still be; pass "
+                "every parameter at construction (one that should not train yet can have requires_grad=False) or "
+                "build a new optimizer")
+
+
+def state_edited(buckets: List[Bucket], state, names_of: Callable[[Bucket], List[str]]) -> bool:
+    """Whether opt.state differs from the views the buckets published (Bucket.published) in any optimizer state name
+    or "step": an entry removed or replaced, a tensor assigned, or state given to a parameter that has none. The
+    8-bit wire's copies and a delayed round's correction, which state_dict() puts there for checkpoints, are not
+    looked at. One identity test per parameter and name."""
+    for b in buckets:
+        names = [*names_of(b), "step"]
+        for s, views in zip(b.slots, b.published):
+            st = state.get(s.param)
+            if views:
+                if st is None or any(st.get(n) is not views.get(n) for n in names):
+                    return True
+            elif st and any(n in st for n in names):
+                return True
+    return False
+
+
+def adopt_state_edits(buckets: List[Bucket], groups: Sequence[dict], state,
+                      names_of: Callable[[Bucket], List[str]]) -> None:
+    """Loads opt.state as it now stands into the flat buffers, as load_state_dict would load it: a parameter without
+    state starts afresh (zero moments, count 0, as in torch.optim), an assigned tensor is copied in (its shape
+    checked), an assigned "step" sets the count; then opt.state holds the buckets' views again."""
+    params = [p for g in groups for p in g["params"]]  # keyed by index, as in a state_dict (and its errors)
+    saved = {k: dict(state[p]) for k, p in enumerate(params) if p in state}
+    load_state(buckets, saved, dict(enumerate(params)), state, names_of)
+
+
+def called_by_checkpoint_init(depth: int = 12) -> bool:
+    """Whether torch.distributed.checkpoint's _init_optim_state is the caller of this step (within `depth` frames:
+    torch's step hooks and no_grad wrap the call). It steps an optimizer without state once, at lr 0 on zero
+    gradients, to create the state it then loads into; a user's first step can look the same (a warm-up from lr 0,
+    a batch whose gradients are all zero), so the look alone does not tell them apart."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and \
+                str(frame.f_globals.get("__name__", "")).startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
