@@ -2,7 +2,7 @@
 a bucket's size, dtype or schedule both raise ExchangeError naming the bucket, the peer and both sides
 (before, gloo aborted the receiving process, or fp16 met bf16 silently); agreed edges skip the handshake; a
 size changed on one rank only times out on both without a crash; a construction refused on one rank raises
-on every rank and leaves the next exchanger in sync.
+on every rank and leaves the next exchanger in sync; 33 exchangers on one group keep their messages apart.
 """
 import time
 
@@ -160,10 +160,34 @@ def test_a_size_changed_on_one_rank_only_times_out_on_both_without_a_crash():
         assert r["elapsed"] < TIMEOUT_S + SLACK_S, (rank, r)
 
 
+def _many_exchangers(rank, world_size):
+    """33 exchangers alive on one group, the 1st and the 33rd stepped in opposite orders on the two ranks: each
+    gets its own peer's data (with 32 tag channels the two shared tags, and each received the other's)."""
+    peer = 1 - rank
+    exchangers = [Exchanger(timeout=20) for _ in range(33)]
+    try:
+        got = {k: torch.empty(500) for k in (0, 32)}
+        for step, order in enumerate([(0, 32), (0, 32) if rank == 0 else (32, 0)]):  # the first: the handshakes
+            for k in order:
+                exchangers[k].exchange(1, payload(rank, step, k, 500), [got[k]], [peer], [peer])
+            for k in (0, 32):
+                exchangers[k].wait(1)
+        return {k: torch.equal(r, payload(peer, 1, k, 500)) for k, r in got.items()}
+    finally:
+        for ex in exchangers:
+            ex.shutdown()
+
+
+def test_many_exchangers_on_one_group_never_share_messages():
+    for rank, out in enumerate(SUITE.part(2, "many exchangers")):
+        assert out == {0: True, 32: True}, (rank, out)
+
+
 # ------------------------------------------------------------------------------------------- suites
 
 # One spawned group per world size; the scenario that leaves its group damaged (timeouts) runs last.
 SUITE = Suite({
-    2: [("construction", _construction, ()), ("mismatches", _mismatches, ()), ("asymmetric", _asymmetric_change, ())],
+    2: [("construction", _construction, ()), ("mismatches", _mismatches, ()), ("many exchangers", _many_exchangers, ()),
+        ("asymmetric", _asymmetric_change, ())],
     4: [("agreement", _agreement, ())],
 })

@@ -14,14 +14,17 @@ namespace decent_comm::comm {
 namespace {
 
 // Tags: bit 30 set keeps them clear of the small tags user code passes to dist.send/recv on the same
-// group; bit 29 tells a bucket's handshake headers from its data; bits 24..28 are the exchanger's channel, so
+// group; bit 29 tells a bucket's handshake headers from its data; bits 16..28 are the exchanger's channel, so
 // two exchangers on one group (or a new one after a failed one left unmatched operations behind) never
-// match each other's messages; bits 0..23 the bucket.
+// match each other's messages; bits 0..15 the bucket. With 32 channels (5 bits, an earlier layout) the 33rd
+// optimizer alive on a group shared the 1st one's tags, and two ranks that stepped them in different orders
+// silently averaged each other's parameters; 8192 channels put that 8192 optimizers (or rebuilds after a
+// failure) away.
 constexpr int kTagBit = 1 << 30;
 constexpr int kHeaderTagBit = 1 << 29;
-constexpr int kChannelShift = 24;
-constexpr int kChannels = 32;
-static_assert(kMaxBucketId < (1 << kChannelShift), "bucket ids must fit the tag's low 24 bits");
+constexpr int kChannelShift = 16;
+constexpr int kChannels = 1 << 13;
+static_assert(kMaxBucketId < (1 << kChannelShift), "bucket ids must fit the tag's low 16 bits");
 static_assert((kChannels - 1) << kChannelShift < kHeaderTagBit, "channels must stay clear of the header bit");
 
 // The n-th exchanger opened on a process group gets channel n % kChannels. Keyed by the group's name, which

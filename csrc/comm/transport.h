@@ -21,8 +21,9 @@ namespace decent_comm::comm {
 
 // Bucket ids are 0 <= id <= kMaxBucketId: the ProcessGroup transport derives a message tag from the id
 // (tags are 31-bit and also carry an exchanger channel and a data/handshake bit), and every transport shares
-// the same bound.
-constexpr int64_t kMaxBucketId = (int64_t(1) << 24) - 1;
+// the same bound. 16 bits: the optimizers number their buckets 0, 1, ... (a few per model), and the bits above go
+// to the channels, which must not repeat while an exchanger is alive (process_group_transport.cpp).
+constexpr int64_t kMaxBucketId = (int64_t(1) << 16) - 1;
 
 // int64 words of the header two ranks swap before a bucket's bytes first move between them (handshake.h).
 constexpr int64_t kHeaderWords = 6;
