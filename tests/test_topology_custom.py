@@ -130,11 +130,12 @@ def test_fingerprint():
     fp = T.make("ring", 8).fingerprint()
     assert len(fp) == 16 and int(fp, 16) >= 0
     assert fp == T.make("ring", 8).fingerprint()
-    others = [T.make("ring", 9), T.make("exp", 8), T.make("ring", 8, local_world_size=4),
+    others = [T.make("ring", 9), T.make("exp", 8), T.make("aer", 8, local_world_size=4),
               T.make("base-k", 8, k=1), T.make("base-k", 8, k=2), T.make("complete", 8),
               T.from_matrix(T.make("ring", 8).matrix(0)), T.with_consensus(T.make("ring", 8), 0.5)]
     fps = [o.fingerprint() for o in others]
     assert fp not in fps and len(set(fps)) == len(fps)
+    assert fp == T.make("ring", 8, local_world_size=4).fingerprint()  # the same schedule on any node layout
     W = T.make("torus", 9).matrix(0)
     assert T.from_matrix(W).fingerprint() == T.from_matrix(W.copy()).fingerprint()
     W2 = W.copy()
@@ -142,3 +143,17 @@ def test_fingerprint():
     W2[:, [0, 1]] = W2[:, [1, 0]]   # relabelled graph: a different schedule
     assert T.from_matrix(W2).fingerprint() != T.from_matrix(W).fingerprint()
     assert T.make("aer", 16, local_world_size=4).fingerprint() == T.make("aer", 16, local_world_size=4).fingerprint()
+
+
+@pytest.mark.parametrize("name, layout_matters", [("ring", False), ("exp", False), ("complete", False),
+                                                  ("one-peer-exp", False), ("one-peer-hypercube", False), ("aer", True)])
+def test_the_fingerprint_sees_the_node_layout_only_through_the_schedule(name, layout_matters):
+    """Ranks on nodes of different sizes (torchrun's LOCAL_WORLD_SIZE 2, 1, 1) build the topology with different
+    local_world_size; they must agree on one whose schedule does not depend on it, and not on one whose does."""
+    fps = {L: T.make(name, 8, local_world_size=L).fingerprint() for L in (1, 2, 4)}
+    schedules = {L: [T.make(name, 8, local_world_size=L).matrix(t) for t in range(4)] for L in (1, 2, 4)}
+    differ = any(not np.array_equal(a, b) for a, b in zip(schedules[1], schedules[2]))
+    assert differ == layout_matters
+    assert (fps[1] != fps[2]) == differ
+    assert T.make(f"adaptive:phase:complete@0,{name}@5", 8, local_world_size=1).fingerprint() == \
+        T.make(f"adaptive:phase:complete@0,{name}@5", 8, local_world_size=2).fingerprint() or layout_matters

@@ -153,7 +153,8 @@ def _difference(name, mine, ref) -> str:
             return f"{name} {i} has {key}={mine[i].get(key)!r} but on rank 0 {key}={ref[i].get(key)!r}"
         return f"{name} {i} is {mine[i]} but on rank 0 it is {ref[i]}"
     if name == "topology fingerprint":
-        return f"topology fingerprint {mine} differs from rank 0's {ref}"
+        return (f"topology fingerprint {mine} differs from rank 0's {ref} (another topology or options, or a node "
+                "layout it depends on: torchrun's LOCAL_WORLD_SIZE differs between the ranks)")
     return f"{name} is {mine!r} but on rank 0 it is {ref!r}"
 
 

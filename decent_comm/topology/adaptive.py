@@ -244,7 +244,7 @@ class Adaptive(Topology):
         """The configuration (candidates' fingerprints and the policy), not the decisions taken so far."""
         self._require_bound()
         h = hashlib.sha256()
-        h.update(repr((self.name, self.world_size, self.local_world_size)).encode())
+        h.update(repr((self.name, self.world_size)).encode())  # the node layout counts through the candidates
         for c in self.candidates:
             h.update(c.fingerprint().encode())
         h.update(self.policy.describe().encode())

@@ -199,14 +199,17 @@ class Topology:
         return self
 
     def fingerprint(self) -> str:
-        """16 hex chars of sha256 over (name, world_size, local_world_size, period)
-        and the schedule: for every step of the period and every rank its
+        """16 hex chars of sha256 over (name, world_size, period) and the
+        schedule: for every step of the period and every rank its
         ``self_weight``, ``recv`` and ``send`` (weights rounded to 12
         decimals).  Equivalent to hashing the matrices, but O(period * n *
         degree) so it stays cheap for large n.  All ranks must agree on it.
+        ``local_world_size`` counts only through the schedule it shapes, so
+        the ranks of a job on nodes of different sizes (torchrun's
+        ``LOCAL_WORLD_SIZE`` differs) agree on a ring, which ignores it.
         """
         h = hashlib.sha256()
-        h.update(repr((self.name, self.world_size, self.local_world_size, self.period)).encode())
+        h.update(repr((self.name, self.world_size, self.period)).encode())
         for chunk in self._schedule_digest_items():
             h.update(chunk)
         return h.hexdigest()[:16]
