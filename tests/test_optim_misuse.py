@@ -3,6 +3,7 @@ silently wrong result: options that differ between ranks, another rank's state_d
 a silent peer on the group all-reduce path, a rank dying during the construction's check, sparse gradients, a model
 converted after construction, a model left in DDP, add_param_group, and options checked whatever the world size."""
 
+import os
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import decent_comm
 from decent_comm.exchange import ExchangeTimeout
 
 from dist_utils import exit_now, run_ranks
-from optim_cases import batch, make_model
+from optim_cases import batch, make_model, train_steps
 
 # ----------------------------------------------------------------------------------------- one process
 
@@ -154,6 +155,53 @@ def test_options_one_rank_refuses_are_named_on_every_rank_at_once(case):
         if r != 1:
             assert "rank 1 refused to build the optimizer" in msg, msg
         assert seconds < 20, (r, seconds)
+
+
+UTILITIES = {  # average_parameters and disagreement(all_reduce=True) share global_average's all_reduce_mean_
+    "global_average": lambda opt: opt.global_average().__enter__(),
+    "consensus_distance": lambda opt: opt.consensus_distance(),
+    "replica_variance": lambda opt: opt.replica_variance(),
+}
+
+
+def _utility_with_a_late_rank(rank, n, utility):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=2)
+    if rank == 1:
+        time.sleep(12)  # late for the collective: the others must not wait for it (nor for the group's own 30 min)
+    start = time.monotonic()
+    try:
+        UTILITIES[utility](opt)
+        return "no error", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+@pytest.mark.parametrize("utility", sorted(UTILITIES))
+def test_collective_utilities_time_out_naming_the_late_rank(utility):
+    results = run_ranks(_utility_with_a_late_rank, 3, utility, timeout=120)
+    for r in (0, 2):
+        kind, msg, seconds = results[r]
+        assert kind == "ExchangeTimeout" and "rank 1" in msg, (r, kind, msg)
+        assert seconds < 9, (r, seconds)  # the timeout (2 s) and the grace for naming the culprit (2 s), not 12 s
+
+
+def _nodes_of_different_sizes(rank, n, topology):
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "1"  # torchrun on nodes of 2, 1 and 1 processes
+    model = make_model(rank)
+    try:
+        opt = decent_comm.DAdamW(model.parameters(), topology=topology, timeout=20)
+    except RuntimeError as exc:
+        return str(exc)
+    train_steps(rank, model, opt, 2)
+    opt.shutdown()
+    return "trained"
+
+
+def test_nodes_of_different_sizes_agree_on_a_topology_that_ignores_the_layout():
+    assert run_ranks(_nodes_of_different_sizes, 4, "ring", timeout=120) == ["trained"] * 4
+    for m in run_ranks(_nodes_of_different_sizes, 4, "aer", timeout=120):  # aer's schedule follows the nodes
+        assert "topology fingerprint" in m and "rank 2" in m, m
 
 
 def _load_other_ranks_state(rank, n):

@@ -45,9 +45,10 @@ def _steps(model, opt, start, stop):
         opt.step()
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["", "then-state_dict"])
 @pytest.mark.parametrize("edit", EDITS)
 @pytest.mark.parametrize("pair", PAIRS)
-def test_state_edits_between_steps_act_as_in_torch(pair, edit):
+def test_state_edits_between_steps_act_as_in_torch(pair, edit, checkpoint):
     ctor, ref_ctor, keys = PAIRS[pair]
     if edit == "assign-step" and pair == "sgd-momentum":
         pytest.skip("torch.optim.SGD keeps no step count")
@@ -59,6 +60,12 @@ def test_state_edits_between_steps_act_as_in_torch(pair, edit):
     _steps(ref, ropt, 0, 3)
     EDITS[edit](opt)
     EDITS[edit](ropt)
+    if checkpoint:  # what a checkpoint taken now holds is the edited state, as torch's
+        saved, rsaved = opt.state_dict()["state"], ropt.state_dict()["state"]
+        assert sorted(saved) == sorted(rsaved)
+        for k, st in rsaved.items():
+            for name, v in st.items():
+                torch.testing.assert_close(saved[k][name].double(), v.double(), rtol=1e-5, atol=1e-7)
     _steps(model, opt, 3, 6)
     _steps(ref, ropt, 3, 6)
     for p, rp in zip(model.parameters(), ref.parameters()):

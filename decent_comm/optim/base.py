@@ -32,7 +32,7 @@ from .state_views import publish_state
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
-from .user_edits import adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout, state_edited
+from .user_edits import StateWatch, adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout
 
 __all__ = ["DecentralizedMixin", "MODES"]
 
@@ -96,6 +96,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         if refusal is not None:
             raise refusal
         self._groups_built = group_layout(self.param_groups)
+        self._state_watch = StateWatch()
         self._closure, self._closure_loss = None, None
         self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         self._model = model
@@ -108,6 +109,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         if mode == "atc":
             self._schedule.attach(model)
         self._show_schedule()
+        self._note_state()
 
     # ----------------------------------------------------------------------------------- configuration
 
@@ -173,6 +175,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         self._schedule.check_running()
         if closure is None and self._is_state_initialization():
             self._initialize_state()
+            self._note_state()
             return None
         self._adopt_state_edits()
         loss, self._closure_loss = None, None
@@ -190,6 +193,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         else:
             self._step_atc(skip_update)
         self._closure = None
+        self._note_state()
         return loss if self._closure_loss is None else self._closure_loss
 
     def _is_state_initialization(self) -> bool:
@@ -200,10 +204,17 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         return all(p.grad is None or not p.grad.any() for p in self._param_list()) and called_by_checkpoint_init()
 
     def _adopt_state_edits(self):
-        """opt.state edited since the last step (user_edits): the flat buffers take it, as torch.optim would."""
-        names = lambda b: self._state_names(self.param_groups[b.group_index])  # noqa: E731
-        if state_edited(self._buckets, self.state, names):
-            adopt_state_edits(self._buckets, self.param_groups, self.state, names)
+        """opt.state edited since the optimizer last handed it back (user_edits): the flat buffers take it, as
+        torch.optim would."""
+        if self._state_watch.edited(self.state):
+            adopt_state_edits(self._buckets, self.param_groups, self.state, self._bucket_state_names)
+
+    def _note_state(self):
+        """What opt.state holds now, to tell the user's edits from it at the next step."""
+        self._state_watch.note(self._buckets, self.state, self._bucket_state_names)
+
+    def _bucket_state_names(self, b: Bucket) -> List[str]:
+        return self._state_names(self.param_groups[b.group_index])
 
     def _initialize_state(self):
         """Every parameter's state, zero, as views (its step count stays 0: the next step is the first)."""
@@ -329,7 +340,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def _average_(self):
         if self.world_size > 1:
             for b in self._buckets:
-                diagnostics.all_reduce_mean_(b.flat, self.process_group, self.world_size)
+                diagnostics.all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
+                                             f"the global average of bucket {b.index}")
 
     # ---------------------------------------------------------------------------------------- state_dict
 

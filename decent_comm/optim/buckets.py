@@ -42,7 +42,9 @@ class Bucket:
     # Per slot: optimizer steps taken. A float32 CPU tensor, like torch's state["step"]: opt.state[p]["step"]
     # is a view of its entry, so what torch.optim tools read and write is what the kernels use.
     step_count: torch.Tensor = None
-    published: List[Optional[dict]] = field(default_factory=list)  # per slot: the views opt.state[p] got, if any
+    # Per slot: the views opt.state[p] got, if any. Replaced, never changed in place, so that a new list object
+    # tells user_edits.StateWatch to look again.
+    published: List[Optional[dict]] = field(default_factory=list)
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
@@ -241,9 +243,10 @@ def count_on_device(b: Bucket, state) -> None:
         return
     b.classes = _classes_of(b.steps)  # the counts are still on the host here: no device sync
     b.step_count = b.step_count.to(b.device)
-    for i, s in enumerate(b.slots):
-        if b.published[i]:
-            state[s.param]["step"] = b.published[i]["step"] = b.step_count[i]
+    b.published = [dict(v, step=b.step_count[i]) if v else v for i, v in enumerate(b.published)]
+    for s, views in zip(b.slots, b.published):
+        if views:
+            state[s.param]["step"] = views["step"]
 
 
 def spread_count(b: Bucket, seg: Segment) -> None:

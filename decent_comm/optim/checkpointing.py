@@ -38,12 +38,14 @@ class StateDictMixin:
         return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
 
     def _state_dict(self):
+        self._adopt_state_edits()  # what the user edited since the last step is what a torch.optim checkpoint holds
         self.synchronize()
         self._publish_correction(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
         # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
         sd["param_groups"][0][SCHEDULE_KEY] = self._show_schedule()
+        self._note_state()
         return sd
 
     def _show_schedule(self) -> dict:
@@ -73,6 +75,7 @@ class StateDictMixin:
         self._gather_correction()
         self._schedule.load_state_dict(extra)
         self._show_schedule()
+        self._note_state()
 
     # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
     _correction_for_stateless_params = True

@@ -5,7 +5,6 @@ import logging
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger("decent_comm")
 
@@ -74,13 +73,15 @@ class DisagreementMeter:
         return out
 
 
-def all_reduce_mean_(t: torch.Tensor, process_group, world_size: int):
-    dist.all_reduce(t, group=process_group)
+def all_reduce_mean_(t: torch.Tensor, all_reduce, world_size: int, what: str):
+    """`all_reduce`: the schedule's BoundedAllReduce (held to the optimizer's timeout); `what` names the call in
+    its errors."""
+    all_reduce(t, what)
     t.div_(world_size)
 
 
 @torch.no_grad()
-def consensus_distance(buckets, process_group, world_size: int) -> float:
+def consensus_distance(buckets, all_reduce, world_size: int) -> float:
     """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective)."""
     if world_size == 1:
         return 0.0
@@ -88,9 +89,9 @@ def consensus_distance(buckets, process_group, world_size: int) -> float:
     for b in buckets:
         x = b.flat.double()
         mean = x.clone()
-        all_reduce_mean_(mean, process_group, world_size)
+        all_reduce_mean_(mean, all_reduce, world_size, f"consensus_distance(): the mean of bucket {b.index}")
         total += ((x - mean) ** 2).sum()
-    dist.all_reduce(total, group=process_group)
+    all_reduce(total, "consensus_distance(): the sum over ranks")
     return float(total) / world_size
 
 
@@ -115,7 +116,7 @@ def param_names(param_groups, names) -> Dict[int, str]:
 
 
 @torch.no_grad()
-def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, str], process_group,
+def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, str], all_reduce,
                      world_size: int) -> Dict[str, Dict[str, float]]:
     """Per-tensor statistics of the replicas (see ReplicaWatch.replica_variance), in `params` order, with
     one all-reduce of a float64 buffer of the parameters plus one scalar per tensor."""
@@ -136,7 +137,7 @@ def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, st
     local_sq = buf[total:].clone()
     n = world_size
     if n > 1:
-        dist.all_reduce(buf, group=process_group)
+        all_reduce(buf, "replica_variance()")
     mean = buf[:total] / n
     avg_sq = torch.stack([mean[o:o + s.numel].square().sum() for o, (_, s) in zip(offs, slots)])
     ms = buf[total:] / n
@@ -168,7 +169,7 @@ class ReplicaWatch:
         ``all_reduce=True`` returns the mean over ranks (a collective: every rank must call it)."""
         out = self._schedule.meter.values(per_bucket, self._schedule.device)
         if all_reduce and self.world_size > 1:
-            all_reduce_mean_(out, self.process_group, self.world_size)
+            all_reduce_mean_(out, self._schedule.all_reduce, self.world_size, "disagreement(all_reduce=True)")
         return out.tolist() if per_bucket else float(out[0])
 
     @property
@@ -201,10 +202,11 @@ class ReplicaWatch:
             return None
         self.synchronize()
         names_of = param_names(self.param_groups, names if names is not None else self._model)
-        return replica_variance(self._buckets, self._param_list(), names_of, self.process_group, self.world_size)
+        return replica_variance(self._buckets, self._param_list(), names_of, self._schedule.all_reduce,
+                                self.world_size)
 
     @torch.no_grad()
     def consensus_distance(self) -> float:
         """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
         self.synchronize()
-        return consensus_distance(self._buckets, self.process_group, self.world_size)
+        return consensus_distance(self._buckets, self._schedule.all_reduce, self.world_size)

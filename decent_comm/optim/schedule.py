@@ -85,11 +85,10 @@ class GossipSchedule(ScheduleCheckpoint):
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
                                            wire_dtype=comm_dtype if self.wire is None else None,
                                            groups=self.groups.all_groups if self.groups is not None else ())
-        # The whole-group all-reduces inside step() (warm-up gradients, adaptive statistics) raise within
-        # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
-        self.all_reduce = None
-        if world_size > 1 and (cadence.warmup_steps > 0 or isinstance(topology, Adaptive)):
-            self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout))
+        # The whole-group all-reduces (inside step(): warm-up gradients, adaptive statistics; the collective
+        # utilities: global_average, consensus_distance, ...) raise within `timeout` like the gossip does, instead
+        # of waiting for the process group's own (gloo: 30 min).
+        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout)) if world_size > 1 else None
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)

@@ -17,12 +17,14 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
     semantics: no state before a parameter's first update)."""
     if all(b.published):
         return
+    published = list(b.published)
     for i, s in enumerate(b.slots):
-        if not b.published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
+        if not published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
             views = {name: b.view(buf, s) for name, buf in b.state.items()}
             views["step"] = b.step_count[i]
             state[s.param].update(views)
-            b.published[i] = views
+            published[i] = views
+    b.published = published
 
 
 #: what read_state found for each slot it loads: (id(bucket), slot index) -> (count or None, {name: tensor to copy,

@@ -81,6 +81,9 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def _adopt_state_edits(self):
         """Nothing to adopt: the wrapped optimizer keeps its own state in opt.state and reads it at every step."""
 
+    def _note_state(self):
+        pass
+
     @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:
