@@ -221,3 +221,23 @@ def test_quality_term_prices_time_to_allreduce_loss():
     code, out, _ = run_cli(["plan", "--nodes", "4", "--gpus-per-node", "1", "--params", "0.43M", "--inter-bw", "10Gbit",
                             "--compute", "100ms", "--no-sim"])
     assert code == 0 and "1.00x  allreduce (DDP)" in out.split("time to all-reduce's loss")[1].splitlines()[1]
+
+
+def test_the_8bit_wire_is_priced_as_it_runs():
+    """The 8-bit wire moves every gossip step point to point, and DDP has none: with --wire-dtype int8 the gossip
+    candidates cost what --exchange p2p gives them and allreduce what fp32 gradients cost (before, aer-pair was
+    priced as one int8 group all-reduce and recommended at 2x, where it runs 35x slower)."""
+    base = ["plan", "--nodes", "4", "--gpus-per-node", "8", "--params", "1.3B", "--inter-bw", "25Gbit",
+            "--intra-bw", "600Gbit", "--compute", "300ms", "--no-sim", "--json"]
+    runs = {}
+    for key, extra in {"int8": ["--wire-dtype", "int8"], "int8-p2p": ["--wire-dtype", "int8", "--exchange", "p2p"],
+                       "fp32": []}.items():
+        code, out, _ = run_cli(base + extra)
+        assert code == 0
+        runs[key] = json.loads(out)
+    for name in runs["int8"]["candidates"][1:]:
+        assert runs["int8"][name]["step_seconds"] == runs["int8-p2p"][name]["step_seconds"], name
+    assert runs["int8"]["allreduce"]["step_seconds"] == runs["fp32"]["allreduce"]["step_seconds"]
+    assert runs["int8"]["recommended"] != "aer-pair"
+    code, _, err = run_cli(base + ["--wire-dtype", "int8", "--exchange", "group-allreduce"])
+    assert code == 2 and "point to point" in err

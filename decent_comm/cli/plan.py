@@ -8,6 +8,7 @@ JSON (``--json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from .. import topology as _topology
@@ -189,9 +190,27 @@ def build_inputs(args, parser):
     else:
         sample = args.compute_sample
         compute = ComputeTime.from_sample(sample if isinstance(sample, list) else read_sample(sample), **fractions)
+    exchange = args.exchange
+    if args.wire_dtype == "int8":
+        # The 8-bit wire's error feedback keeps each pair's public copies: every step runs point to point.
+        if exchange == "group-allreduce":
+            parser.error("--wire-dtype int8 moves every gossip step point to point (its error feedback keeps each "
+                         "pair's public copies), so --exchange group-allreduce does not apply")
+        if exchange == "auto":
+            exchange = "p2p"
+            notes.append("--wire-dtype int8: gossip priced point to point, as the 8-bit wire runs every step; "
+                         "allreduce (DDP, which has no 8-bit wire) priced with fp32 gradients")
     workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
-                        mode=args.mode, bucket_bytes=args.bucket_size, exchange=args.exchange)
+                        mode=args.mode, bucket_bytes=args.bucket_size, exchange=exchange)
     return cluster, workload, notes
+
+
+def allreduce_workload(args, workload):
+    """What DDP is priced with: the same workload, but fp32 gradients under --wire-dtype int8 (DDP has no 8-bit
+    wire; its bf16/fp16 compression hooks make the other wires real for it)."""
+    if args.wire_dtype != "int8":
+        return workload
+    return dataclasses.replace(workload, bytes_per_param=WIRE_DTYPES["fp32"], exchange="auto")
 
 
 def topology_names(text, cluster, notes: list) -> list:
@@ -222,12 +241,13 @@ def topology_names(text, cluster, notes: list) -> list:
 def run(args, parser) -> int:
     cluster, workload, notes = build_inputs(args, parser)
     names = topology_names(args.topologies, cluster, notes)
+    ar_workload = allreduce_workload(args, workload)
     result = plan(cluster, workload, names, simulate_steps=args.steps, warmup=args.warmup, seed=args.seed,
-                  run_simulation=not args.no_sim, gap_threshold=args.gap_threshold)
+                  run_simulation=not args.no_sim, gap_threshold=args.gap_threshold, allreduce_workload=ar_workload)
     if args.json:
         print(plan_report.to_json(result, cluster, workload, args.wire_dtype, notes))
     else:
-        print(plan_report.to_text(result, cluster, workload, args.wire_dtype, notes))
+        print(plan_report.to_text(result, cluster, workload, args.wire_dtype, notes, ar_workload))
     return 0
 
 

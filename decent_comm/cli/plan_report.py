@@ -19,9 +19,9 @@ def _num(x, fmt="{:.2f}"):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else fmt.format(x)
 
 
-def _header(cluster, workload, wire_dtype) -> list:
+def _header(cluster, workload, wire_dtype, allreduce_workload=None) -> list:
     c = workload.compute
-    ar = allreduce_cost(cluster, workload)
+    ar = allreduce_cost(cluster, allreduce_workload or workload)
     comp = (f"{format_seconds(c.mean)} +- {format_seconds(c.std)}" +
             (f" (resampled from {len(c.sample)} measured steps)" if c.sample is not None else ""))
     lines = [
@@ -40,9 +40,9 @@ def _header(cluster, workload, wire_dtype) -> list:
     return lines
 
 
-def to_text(plan, cluster, workload, wire_dtype: str, notes=()) -> str:
+def to_text(plan, cluster, workload, wire_dtype: str, notes=(), allreduce_workload=None) -> str:
     """A header, one table row per candidate, the recommendation and notes."""
-    lines = _header(cluster, workload, wire_dtype) + [""]
+    lines = _header(cluster, workload, wire_dtype, allreduce_workload) + [""]
     cols = ["candidate", "gap/step", "comm ms", "omega", "step ms", "bound ms", "sim ms", "speedup",
             "sim speedup", "sync set"]
     rows = []

@@ -152,12 +152,15 @@ def _allreduce_sim_steps(n: int, steps: int, warmup: int) -> tuple:
 
 
 def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: int = 50, seed: int = 0,
-         run_simulation: bool = True, gap_threshold: float = GAP_THRESHOLD) -> Plan:
-    """Predict (and simulate) every candidate and recommend one (rule in the module docstring)."""
+         run_simulation: bool = True, gap_threshold: float = GAP_THRESHOLD, allreduce_workload=None) -> Plan:
+    """Predict (and simulate) every candidate and recommend one (rule in the module docstring).
+    `allreduce_workload`: what the All-Reduce baseline is priced with when it differs from the gossip's (DDP has no
+    8-bit wire: the CLI prices it with fp32 gradients then); default `workload`."""
     names = list(topologies) if topologies is not None else default_topologies(cluster)
     n, L = cluster.world_size, cluster.ranks_per_node
     notes, skipped, gossip = [], [], []
-    ar_pred = predict_allreduce(cluster, workload)
+    ar_workload = workload if allreduce_workload is None else allreduce_workload
+    ar_pred = predict_allreduce(cluster, ar_workload)
     seen = {"allreduce"}
     for raw in names:
         try:
@@ -173,7 +176,8 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
             gossip.append((name, topo, predict_gossip(cluster, workload, topo)))
         except ValueError as e:  # cannot be built for this cluster, or too dense (TooManyMessages)
             skipped.append((name, str(e)))
-    sims = _simulate_all(cluster, workload, gossip, simulate_steps, warmup, seed, notes) if run_simulation else {}
+    sims = _simulate_all(cluster, workload, ar_workload, gossip, simulate_steps, warmup, seed, notes) \
+        if run_simulation else {}
     ar_sim = sims.get("allreduce")
 
     def sim_speedup(sim):
@@ -207,7 +211,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
 
 
-def _simulate_all(cluster, workload, gossip, steps: int, warmup: int, seed: int, notes: list) -> dict:
+def _simulate_all(cluster, workload, ar_workload, gossip, steps: int, warmup: int, seed: int, notes: list) -> dict:
     """``{name: SimResult}`` for All-Reduce and every gossip candidate, or ``{}`` (with a note) when one of
     them would cost more than ``MAX_SIM_COST``: the plan then compares closed forms only."""
     runs = {"allreduce": _allreduce_sim_steps(cluster.world_size, steps, warmup)}
@@ -223,6 +227,6 @@ def _simulate_all(cluster, workload, gossip, steps: int, warmup: int, seed: int,
     for name, (st, wu, _) in runs.items():
         if st != steps:
             notes.append(f"{name}: simulated {st} steps (simulation budget)")
-        sims[name] = (simulate_allreduce(cluster, workload, steps=st, warmup=wu, seed=seed) if name == "allreduce"
+        sims[name] = (simulate_allreduce(cluster, ar_workload, steps=st, warmup=wu, seed=seed) if name == "allreduce"
                       else simulate(cluster, workload, topos[name], steps=st, warmup=wu, seed=seed))
     return sims
