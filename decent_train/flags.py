@@ -35,6 +35,17 @@ def optimizer_name(value: str) -> str:
         f"decentralized-<torch optimizer> (torch optimizers: {', '.join(sorted(TORCH_OPTIMIZERS))})")
 
 
+def topology_name(value: str) -> str:
+    """argparse type: a built-in topology name (canonical form), or an adaptive spec (checked when the topology is
+    built for the world size)."""
+    if value.strip().lower().startswith("adaptive:"):
+        return value
+    try:
+        return decent_comm.topology.canonical_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def consensus_value(value: str):
     """argparse type: a float in [0, 1] or 'adaptive' (decent_comm.AdaptiveConsensus)."""
     if value.strip().lower() == "adaptive":
@@ -55,7 +66,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="allreduce (torch DDP + AdamW; allreduce-sgd etc. for another torch optimizer), "
                         f"{', '.join(FUSED)} (fused decent_comm optimizers), or decentralized-<torch optimizer> "
                         "(decent_comm.Decentralized wrapping e.g. torch.optim.AdamW)")
-    g.add_argument("--topology", default="one-peer-exp",
+    g.add_argument("--topology", type=topology_name, default="one-peer-exp",
                    help=f"gossip topology: {', '.join(decent_comm.topology.NAMES)}, or an adaptive spec: "
                         "adaptive:consensus:one-peer-exp,exp,complete[:kappa=1,interval=10] or "
                         "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive)")

@@ -97,14 +97,18 @@ def _wire_dtype(args):
 def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     name = args.optimizer
     if name.startswith("allreduce"):
+        given = [flag for flag, on in (("--gossip-every", args.gossip_every != 1), ("--warmup-steps", args.warmup_steps),
+                                       ("--delayed-mix", args.delayed_mix), ("--int8-wire", getattr(args, "int8_wire", False)))
+                 if on]
+        if given:  # refused, not ignored: a comparison of recipes must not think they took effect
+            raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
+                             "(DDP all-reduces the gradients every step; it has no 8-bit gradient hook here, use "
+                             "--bf16-wire)")
         cls = TORCH_OPTIMIZERS[name.split("-", 1)[1] if "-" in name else "adamw"]
         forward = model
         if env.distributed:
             forward = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-            if getattr(args, "int8_wire", False):
-                raise ValueError("--int8-wire is for the decentralized optimizers (DDP has no 8-bit gradient hook "
-                                 "here); use --bf16-wire for DDP")
             if args.bf16_wire:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
                 forward.register_comm_hook(None, default_hooks.bf16_compress_hook)

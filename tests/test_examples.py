@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from decent_train.flags import consensus_value, optimizer_family, optimizer_name, resolve_defaults
+from decent_train.flags import consensus_value, optimizer_family, optimizer_name, resolve_defaults, topology_name
 from decent_train.lr_schedule import make_lr_scheduler
 from decent_train.workloads import lm
 
@@ -48,6 +48,9 @@ def test_flag_parsing():
     with pytest.raises(argparse.ArgumentTypeError):
         consensus_value("1.5")
     assert optimizer_family("dsgd") == "sgd" and optimizer_family("allreduce") == "adam"
+    assert topology_name("One_Peer_Exp") == "one-peer-exp" and topology_name("adaptive:phase:ring@0").startswith("ad")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown topology 'foo'"):
+        topology_name("foo")
 
 
 def _defaults(argv, world_size):
@@ -170,6 +173,20 @@ def test_cadence_flags_reach_the_optimizer(optimizer):
     assert (cadence.gossip_every, cadence.warmup_steps, cadence.delayed_mix) == (3, 2, True)
     defaults = lm.parse_args([])
     assert (defaults.gossip_every, defaults.warmup_steps, defaults.delayed_mix) == (1, 0, False)
+
+
+@pytest.mark.parametrize("flags", [["--gossip-every", "2"], ["--warmup-steps", "3"], ["--delayed-mix"],
+                                   ["--int8-wire"]])
+def test_decentralized_flags_are_refused_for_allreduce(flags):
+    """Not ignored: DDP would run as if they had not been given, and a comparison of recipes would not know it."""
+    import torch
+
+    from decent_train.distributed import DistEnv
+    from decent_train.strategy import build_strategy
+
+    args = resolve_defaults(lm.parse_args(["--optimizer", "allreduce", *flags]), lm.LR_DEFAULTS, 1)
+    with pytest.raises(ValueError, match=f"{flags[0]}: for the decentralized optimizers only"):
+        build_strategy(args, torch.nn.Linear(3, 2), DistEnv())
 
 
 def test_race_specs_build_what_they_say():
