@@ -207,7 +207,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         """opt.state edited since the optimizer last handed it back (user_edits): the flat buffers take it, as
         torch.optim would."""
         if self._state_watch.edited(self.state):
-            adopt_state_edits(self._buckets, self.param_groups, self.state, self._bucket_state_names)
+            adopt_state_edits(self._buckets, self._param_list(), self.state, self._bucket_state_names)
 
     def _note_state(self):
         """What opt.state holds now, to tell the user's edits from it at the next step."""
@@ -219,7 +219,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def _initialize_state(self):
         """Every parameter's state, zero, as views (its step count stays 0: the next step is the first)."""
         for b in self._buckets:
-            for name in self._state_names(self.param_groups[b.group_index]):
+            for name in self._bucket_state_names(b):
                 b.state_buffer(name)
             publish_state(b, self.state, include_unstepped=True)
 

@@ -32,7 +32,7 @@ class StateDictMixin:
         loaded = read_state(self._buckets, saved_state, param_of)  # raises before anything is loaded
         with state_dict_hooks.suspended(self):
             super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        write_state(self._buckets, loaded, self.state, lambda b: self._state_names(self.param_groups[b.group_index]))
+        write_state(self._buckets, loaded, self.state, self._bucket_state_names)
 
     def state_dict(self):
         return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)

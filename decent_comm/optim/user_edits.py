@@ -87,12 +87,12 @@ class StateWatch:
         return not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._views))
 
 
-def adopt_state_edits(buckets: List[Bucket], groups: Sequence[dict], state,
+def adopt_state_edits(buckets: List[Bucket], params: Sequence, state,
                       names_of: Callable[[Bucket], List[str]]) -> None:
     """Loads opt.state as it now stands into the flat buffers, as load_state_dict would load it: a parameter without
     state starts afresh (zero moments, count 0, as in torch.optim), an assigned tensor is copied in (its shape
     checked), an assigned "step" sets the count; then opt.state holds the buckets' views again."""
-    params = [p for g in groups for p in g["params"]]  # keyed by index, as in a state_dict (and its errors)
+    # keyed by the parameters' indices (the optimizer's param groups in order), as in a state_dict and its errors
     saved = {k: dict(state[p]) for k, p in enumerate(params) if p in state}
     load_state(buckets, saved, dict(enumerate(params)), state, names_of)
 
