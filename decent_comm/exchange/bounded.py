@@ -14,6 +14,12 @@ all-reduce stays posted in the group, so a later one would be matched against it
 NCCL groups keep dist.all_reduce as it is (no bound here): bounding it would block the host on every call
 (WorkNCCL.wait with a timeout synchronizes), and NCCL's own watchdog already ends a collective stuck past the
 group's timeout. With timeout=None the call is plain dist.all_reduce too.
+
+The default group is never held: ``process_group=None`` stays None and torch looks the group up at each call.
+Held, it would outlive dist.destroy_process_group() for as long as the optimizer lives, and so would gloo's
+worker threads: one still releasing a finished all-reduce's Python tensors at interpreter exit needs the GIL
+and aborts the process (issue #14.1's "terminate called without an active exception"). ``close()`` lets go
+of a group that was given.
 """
 from __future__ import annotations
 
@@ -30,16 +36,24 @@ from .roster import Roster
 
 class BoundedAllReduce:
     def __init__(self, process_group=None, *, timeout: Optional[float] = None):
-        self.group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.group = process_group  # None: the default group, looked up at each call (see above)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout = None if timeout is None else float(timeout)
         self.bounded = self.timeout is not None and "nccl" not in str(dist.get_backend(self.group))
         namespace = wait_for_ranks(self.group, self.timeout, "setting up the optimizer's all-reduces")
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
+        self._closed = False
+
+    def close(self):
+        """Lets go of the process group (the owner is shutting down); later calls raise RuntimeError."""
+        self.group, self._closed = None, True
 
     def __call__(self, tensor: torch.Tensor, what: str):
         """Sums `tensor` over the group in place (`what` names it in errors)."""
+        if self._closed:
+            raise RuntimeError(f"decent_comm: {what}: the optimizer was shut down (shutdown() released its "
+                               f"process group)")
         if self._error is not None:
             raise ExchangeError(f"decent_comm: {what}: unusable after an earlier error; the error was: {self._error}")
         if not self.bounded:

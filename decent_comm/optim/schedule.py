@@ -369,6 +369,8 @@ class GossipSchedule(ScheduleCheckpoint):
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+        if self.all_reduce is not None:  # lets go of the process group, so destroy_process_group() destroys it
+            self.all_reduce.close()
         if self.exchange is not None:
             self.exchange.shutdown()
             self.exchange = None
