@@ -186,6 +186,32 @@ def test_collective_utilities_time_out_naming_the_late_rank(utility):
         assert seconds < 9, (r, seconds)  # the timeout (2 s) and the grace for naming the culprit (2 s), not 12 s
 
 
+def _extra_step_on_one_rank(rank, n, utility, mode):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="one-peer-exp", mode=mode, model=model, timeout=2,
+                             track_disagreement=True)
+    train_steps(rank, model, opt, 4 if rank == 2 else 3)  # rank 2 steps once more (an uneven last batch)
+    try:
+        EVERY_UTILITY[utility](opt)
+        return "no error", ""
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+EVERY_UTILITY = {**UTILITIES, "average_parameters": lambda opt: opt.average_parameters(),
+                 "disagreement": lambda opt: opt.disagreement(all_reduce=True)}
+
+
+@pytest.mark.parametrize("utility,mode", [(u, "awc") for u in sorted(EVERY_UTILITY)] +
+                         [("consensus_distance", "atc"), ("global_average", "atc")])
+def test_a_rank_that_stepped_more_often_is_named_by_the_collective_utilities_on_every_rank(utility, mode):
+    """The gossip itself cannot tell (each later round pairs with the neighbours' previous one: same sizes, same
+    tags); a utility, which meets every rank anyway, compares the step counts before its all-reduces."""
+    for rank, (kind, msg) in enumerate(run_ranks(_extra_step_on_one_rank, 4, utility, mode, timeout=120)):
+        assert kind == "RuntimeError", (rank, kind, msg)
+        assert "different numbers of optimizer steps (rank 2: 4 steps; ranks [0, 1, 3]: 3 steps)" in msg, (rank, msg)
+
+
 def _nodes_of_different_sizes(rank, n, topology):
     os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "1"  # torchrun on nodes of 2, 1 and 1 processes
     model = make_model(rank)

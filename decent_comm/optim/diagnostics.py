@@ -6,6 +6,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..exchange.arrival import ranks_text
+
 log = logging.getLogger("decent_comm")
 
 
@@ -81,6 +83,31 @@ def all_reduce_mean_(t: torch.Tensor, all_reduce, world_size: int, what: str):
 
 
 @torch.no_grad()
+def check_same_step(step: int, all_reduce, rank: int, world_size: int, device, what: str) -> None:
+    """RuntimeError on every rank when the ranks have taken different numbers of optimizer steps (a collective).
+
+    Gossip cannot see it: a rank that calls step() once more than the others (an uneven last batch) pairs each
+    later round with its neighbours' previous one, same sizes and tags, so nothing fails; the replicas mix
+    rounds of different steps until the first rank leaves. The collective utilities already meet every rank, so
+    they compare the counts first (one all-reduce of world_size float64s, exact up to 2^53 steps)."""
+    if world_size == 1:
+        return
+    counts = torch.zeros(world_size, dtype=torch.float64, device=device)
+    counts[rank] = step
+    all_reduce(counts, f"{what}: the step-count check")
+    steps = [int(c) for c in counts.tolist()]
+    if min(steps) == max(steps):
+        return
+    by_count: Dict[int, List[int]] = {}
+    for r, c in enumerate(steps):
+        by_count.setdefault(c, []).append(r)
+    seen = "; ".join(f"{ranks_text(rs)}: {c} steps" for c, rs in sorted(by_count.items(), reverse=True))
+    raise RuntimeError(f"decent_comm: {what}: the ranks have taken different numbers of optimizer steps ({seen}). "
+                       f"Every rank must call step() equally often (e.g. drop an uneven last batch on every rank); "
+                       f"since they diverged, each gossip round has mixed neighbours' parameters of other steps")
+
+
+@torch.no_grad()
 def consensus_distance(buckets, all_reduce, world_size: int) -> float:
     """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective)."""
     if world_size == 1:
@@ -153,6 +180,12 @@ class ReplicaWatch:
     """The optimizers' methods for watching the replicas (mixed into DecentralizedMixin, whose schedule, buckets
     and process group they read)."""
 
+    def _check_same_step(self, what: str):
+        """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
+        rank at another step never sends): every rank raises if the step counts differ."""
+        s = self._schedule
+        check_same_step(s.t, s.all_reduce, self.rank, self.world_size, s.device, what)
+
     @property
     def last_disagreement(self) -> float:
         """This rank's disagreement with its neighbours at the last mix: sum over all parameters of
@@ -169,6 +202,7 @@ class ReplicaWatch:
         ``all_reduce=True`` returns the mean over ranks (a collective: every rank must call it)."""
         out = self._schedule.meter.values(per_bucket, self._schedule.device)
         if all_reduce and self.world_size > 1:
+            self._check_same_step("disagreement(all_reduce=True)")
             all_reduce_mean_(out, self._schedule.all_reduce, self.world_size, "disagreement(all_reduce=True)")
         return out.tolist() if per_bucket else float(out[0])
 
@@ -200,6 +234,7 @@ class ReplicaWatch:
             raise ValueError(f"every must be a positive integer, got {every!r}")
         if self._schedule.t % int(every):
             return None
+        self._check_same_step("replica_variance()")
         self.synchronize()
         names_of = param_names(self.param_groups, names if names is not None else self._model)
         return replica_variance(self._buckets, self._param_list(), names_of, self._schedule.all_reduce,
@@ -208,5 +243,6 @@ class ReplicaWatch:
     @torch.no_grad()
     def consensus_distance(self) -> float:
         """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
+        self._check_same_step("consensus_distance()")
         self.synchronize()
         return consensus_distance(self._buckets, self._schedule.all_reduce, self.world_size)
