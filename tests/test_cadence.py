@@ -83,3 +83,44 @@ def test_cadence_resumes_mid_interval(mode):
 def test_cadence_arguments_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         decent_comm.DSGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, **bad)
+
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1), torch.nn.Linear(6, 1)
+
+    def forward(self, x, use_b: bool):
+        h = self.trunk(x)
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def _warmup_with_parameters_unused_on_some_ranks(rank, n):
+    torch.manual_seed(0)
+    model, ref = _TwoHeads(), _TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(ref, find_unused_parameters=True)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.05, weight_decay=0.1, topology="ring", warmup_steps=6,
+                             timeout=30)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for t in range(6):
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+        use_b = t < 5 and (rank + t) % 3 == 0  # head b: used by some ranks at steps 0-4, by none at step 5
+        for forward, o in ((model, opt), (ddp, ref_opt)):
+            o.zero_grad()  # set_to_none: the flat buffer keeps older gradients, which must not be averaged in
+            torch.nn.functional.mse_loss(forward(x, use_b), y).backward()
+            o.step()
+    return [p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in ref.parameters()]
+
+
+def test_warmup_averages_a_locally_unused_parameter_as_ddp_does():
+    """DDP(find_unused_parameters=True) + AdamW: a parameter a rank did not use adds a zero gradient and is
+    updated with the mean like everywhere; the warm-up once averaged in its stale gradient of an earlier step and
+    left it alone on that rank, so the replicas parted."""
+    results = run_ranks(_warmup_with_parameters_unused_on_some_ranks, 3, timeout=300)
+    for rank, (ours, ddp) in enumerate(results):
+        for p, q, r0 in zip(ours, ddp, results[0][0]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} vs DDP: {m}")
+            torch.testing.assert_close(p, r0, rtol=0, atol=0, msg=lambda m: f"rank {rank} vs rank 0: {m}")

@@ -136,9 +136,27 @@ class GossipSchedule(ScheduleCheckpoint):
     @traced("warmup_allreduce")
     @torch.no_grad()
     def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
+        # DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
+        # gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
+        # every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient.
+        present = [s.param.grad is not None for b in self.buckets for s in b.slots]
+        used = torch.tensor(present, dtype=torch.float32, device=self.device)
+        self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
+        used_anywhere = (used > 0).tolist()
+        k = 0
         for b in self.buckets:
+            for s in b.slots:
+                if not present[k]:
+                    b.view(b.grad, s).zero_()
+                k += 1
             self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
             b.grad.div_(self.world_size)
+        k = 0
+        for b in self.buckets:
+            for s in b.slots:
+                if not present[k] and used_anywhere[k]:
+                    s.param.grad = b.view(b.grad, s)
+                k += 1
         if found_inf is not None:
             self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
