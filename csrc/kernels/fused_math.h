@@ -69,6 +69,9 @@ DC_HD void set_step_count(HyperParams& p, int64_t t) {
 template <typename M>
 struct Hyper {
   M lr, weight_decay, momentum, dampening, beta1, beta2, eps, step_size, bc2_sqrt, accum_steps, inv_grad_scale;
+  // 1 - beta1, 1 - beta2, 1 - dampening, taken in double before the cast as torch.optim takes them: in float,
+  // 1 - float(0.9999) is 1e-4 off by 6e-5 of itself, a bias of every Adam update that torch does not have.
+  M one_minus_beta1, one_minus_beta2, one_minus_dampening;
   M l2_decay;         // weight_decay folded into the gradient (Adam, AccumAdam), else 0
   M decoupled_decay;  // lr * weight_decay applied to x_old (AdamW, AccumAdamW), else 0
   bool nesterov, first_step, flush;
@@ -78,7 +81,8 @@ struct Hyper {
       : lr(M(p.lr)), weight_decay(M(p.weight_decay)), momentum(M(p.momentum)),
         dampening(M(p.dampening)), beta1(M(p.beta1)), beta2(M(p.beta2)), eps(M(p.eps)),
         step_size(M(p.step_size)), bc2_sqrt(M(p.bc2_sqrt)), accum_steps(M(p.accum_steps)),
-        inv_grad_scale(M(p.inv_grad_scale)), l2_decay(p.decoupled ? M(0) : M(p.weight_decay)),
+        inv_grad_scale(M(p.inv_grad_scale)), one_minus_beta1(M(1.0 - p.beta1)), one_minus_beta2(M(1.0 - p.beta2)),
+        one_minus_dampening(M(1.0 - p.dampening)), l2_decay(p.decoupled ? M(0) : M(p.weight_decay)),
         decoupled_decay(p.decoupled ? M(p.lr * p.weight_decay) : M(0)),
         nesterov(p.nesterov), first_step(p.first_step), flush(p.flush) {}
 };
@@ -120,7 +124,7 @@ struct SgdMomentumUpdate {
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
     g = g + h.weight_decay * x_old;
-    const M b = h.first_step ? g : h.momentum * s[0] + (M(1) - h.dampening) * g;
+    const M b = h.first_step ? g : h.momentum * s[0] + h.one_minus_dampening * g;
     s[0] = b;
     const M d = h.nesterov ? g + h.momentum * b : b;
     return mixed - h.lr * d;
@@ -138,8 +142,8 @@ struct AdamUpdate {
     // torch: exp_avg.lerp_(g, 1 - beta1), in lerp's form for weights < 0.5. (torch switches to the form exact at
     // weight 1 from 0.5 on; here that costs 3-8 registers in the half-precision kernels, so for beta1 <= 0.5 and
     // |g| << |exp_avg| m carries an absolute error of an ulp of exp_avg.)
-    const M m = s[0] + (M(1) - h.beta1) * (g - s[0]);
-    const M v = h.beta2 * s[1] + (M(1) - h.beta2) * g * g;
+    const M m = s[0] + h.one_minus_beta1 * (g - s[0]);
+    const M v = h.beta2 * s[1] + h.one_minus_beta2 * g * g;
     s[0] = m;
     s[1] = v;
     return mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps) - h.decoupled_decay * x_old;
@@ -155,13 +159,13 @@ struct AccumAdamUpdate {
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
     g = g + h.l2_decay * x_old;
-    const M m = h.beta1 * s[0] + (M(1) - h.beta1) * g;
-    const M v = h.beta2 * s[1] + (M(1) - h.beta2) * g * g;
+    const M m = h.beta1 * s[0] + h.one_minus_beta1 * g;
+    const M v = h.beta2 * s[1] + h.one_minus_beta2 * g * g;
     const M x = mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps) - h.decoupled_decay * x_old;
     const M a = s[2] + g / h.accum_steps;
     // Selects rather than an if-block, so the loop around this stays branch-free (vectorizable).
-    const M slow_m = h.beta1 * s[0] + (M(1) - h.beta1) * a;
-    const M slow_v = h.beta2 * s[1] + (M(1) - h.beta2) * a * a;
+    const M slow_m = h.beta1 * s[0] + h.one_minus_beta1 * a;
+    const M slow_v = h.beta2 * s[1] + h.one_minus_beta2 * a * a;
     s[0] = h.flush ? slow_m : s[0];
     s[1] = h.flush ? slow_v : s[1];
     s[2] = h.flush ? M(0) : a;
