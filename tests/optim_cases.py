@@ -40,12 +40,12 @@ def assert_every_rank_close(results, tol=1e-5):
         assert not bad, (r, bad)
 
 
-def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None):
+def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False):
     """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
     into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
     parameters from the straight run's, the checkpoint, on_load(new optimizer) right after loading, or None).
     `build(model)` makes the optimizer; `serialize`: the checkpoint goes through torch.save / torch.load
-    (weights_only=True), as a file would."""
+    (weights_only=True), as a file would; `model_first`: the model's state_dict is taken before the optimizer's."""
     model = make_model(rank)
     opt = build(model)
     train_steps(rank, model, opt, total)
@@ -55,7 +55,12 @@ def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None)
     model = make_model(rank)
     opt = build(model)
     train_steps(rank, model, opt, stop)
-    ckpt = (opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()})
+    if model_first:
+        model_sd = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt = (opt.state_dict(), model_sd)
+    else:
+        opt_sd = opt.state_dict()
+        ckpt = (opt_sd, {k: v.clone() for k, v in model.state_dict().items()})
     opt.shutdown()
     if serialize:
         buf = io.BytesIO()

@@ -8,6 +8,10 @@ its parameters is held by a module seen running (``deferrable``); any other buck
 any module, or not seen in a forward yet) is mixed at the end of step(), without overlap but exactly ATC.
 The one assumption, as for Megatron's and FSDP's forward pre-hooks: a parameter is first used inside the
 forward of a module that holds it directly (in its own ``_parameters``), not read earlier by another module.
+
+A pending mix is also applied before such a module's ``state_dict()`` is taken (a state_dict pre-hook on each
+module whose forward pre-hook defers a bucket): ``torch.save(model.state_dict())`` before ``opt.state_dict()``
+(which applies every pending mix) once saved the unmixed point, and a resume lost that step's mix.
 """
 
 import weakref
@@ -24,8 +28,12 @@ class MixBeforeUse:
         self._missing = {b.index: {id(s.param) for s in b.slots} for b in schedule.buckets}
         self._owned: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._handles = []
+        self._global = model is None
         if model is not None:
-            self._handles += [m.register_forward_pre_hook(self._hook) for m in model.modules() if m._parameters]
+            for m in model.modules():
+                if m._parameters:
+                    self._handles += [m.register_forward_pre_hook(self._hook),
+                                      m.register_state_dict_pre_hook(self._state_dict_hook)]
         else:
             self._handles.append(register_module_forward_pre_hook(self._hook))
         # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict).
@@ -42,6 +50,8 @@ class MixBeforeUse:
                 self._missing[b].discard(id(p))
         out = tuple(sorted(ids))
         self._owned[module] = out
+        if out and self._global:  # (with `model` every module holding parameters got one at construction)
+            self._handles.append(module.register_state_dict_pre_hook(self._state_dict_hook))
         return out
 
     def _hook(self, module, args):
@@ -50,6 +60,13 @@ class MixBeforeUse:
         ids = self._owned.get(module)
         if ids is None:
             ids = self._learn(module)
+        if ids:
+            schedule = self._schedule()
+            if schedule is not None and schedule.pending:
+                schedule.mix_pending(ids)
+
+    def _state_dict_hook(self, module, prefix, keep_vars):
+        ids = self._owned.get(module)  # buckets deferred to this module's forward: none before it ran
         if ids:
             schedule = self._schedule()
             if schedule is not None and schedule.pending:
