@@ -102,7 +102,10 @@ class ScheduleCheckpoint:
                 raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
                                  " every rank loads its own state_dict (its optimizer state and where the gossip "
                                  "schedule stands). To start a schedule afresh from another rank's moments, drop "
-                                 "the 'decentralized' entry before loading.")
+                                 "the 'decentralized' entry before loading. (torch.distributed.checkpoint saving "
+                                 "every rank under one checkpoint_id keeps a single rank's copy of each entry, "
+                                 "parameters included, as if the replicas were identical: save each rank under its "
+                                 "own checkpoint_id with no_dist=True, docs/api.md.)")
         for key in ("gossip_every", "warmup_steps", "delayed_mix"):
             if key in extra and extra[key] != getattr(self.cadence, key):
                 raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
