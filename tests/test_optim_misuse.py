@@ -212,6 +212,52 @@ def test_a_rank_that_stepped_more_often_is_named_by_the_collective_utilities_on_
         assert "different numbers of optimizer steps (rank 2: 4 steps; ranks [0, 1, 3]: 3 steps)" in msg, (rank, msg)
 
 
+def _out_of_step_whole_group_all_reduces(rank, n, case):
+    """Ranks that disagree on the optimizer's whole-group all-reduces (inside step() during the warm-up, or a
+    utility's): before, gloo paired tensors of different calls and aborted a process (SIGABRT) on unequal sizes."""
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=4, warmup_steps=10)
+    try:
+        if case == "extra-step":  # the last rank steps once more, then every rank asks for the consensus distance
+            train_steps(rank, model, opt, 4 if rank == n - 1 else 3)
+            opt.consensus_distance()
+        elif case == "utility-on-one-rank":
+            train_steps(rank, model, opt, 3)
+            if rank == 0:
+                opt.consensus_distance()
+            train_steps(rank, model, opt, 1, start=3)
+        elif case == "grad-scaler-on-one-rank":
+            scaler = torch.amp.GradScaler("cpu", enabled=rank == 0)
+            x, y = batch(rank, 0)
+            scaler.scale(((model(x) - y) ** 2).mean()).backward()
+            scaler.step(opt)
+        elif case == "two-optimizers-in-other-orders":
+            head = torch.nn.Linear(2, 2)
+            other = decent_comm.DAdamW(head.parameters(), topology="ring", timeout=4, warmup_steps=10)
+            x, y = batch(rank, 0)
+            ((head(model(x)) - y) ** 2).mean().backward()
+            for o in ((opt, other) if rank == 0 else (other, opt)):
+                o.step()
+        return "no error", ""
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("case,sides", [
+    ("extra-step", ["consensus_distance() after 3 steps", "rank 2: the warm-up gradient average after 3 steps"]),
+    ("utility-on-one-rank", ["rank 0: consensus_distance() after 3 steps",
+                             "rank 1: the warm-up gradient average after 3 steps"]),
+    ("grad-scaler-on-one-rank", ["rank 0: the warm-up gradient average with GradScaler's overflow flag after 0 steps",
+                                 "rank 1: the warm-up gradient average after 0 steps"]),
+    ("two-optimizers-in-other-orders", ["(of another optimizer)"]),
+])
+def test_ranks_out_of_step_on_whole_group_all_reduces_are_named_on_every_rank(case, sides):
+    for rank, (kind, msg) in enumerate(run_ranks(_out_of_step_whole_group_all_reduces, 3, case, timeout=120)):
+        assert kind == "RuntimeError" and "not running the same whole-group all-reduce" in msg, (rank, kind, msg)
+        for side in sides:
+            assert side in msg, (rank, side, msg)
+
+
 def _nodes_of_different_sizes(rank, n, topology):
     os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "1"  # torchrun on nodes of 2, 1 and 1 processes
     model = make_model(rank)

@@ -15,6 +15,15 @@ NCCL groups keep dist.all_reduce as it is (no bound here): bounding it would blo
 (WorkNCCL.wait with a timeout synchronizes), and NCCL's own watchdog already ends a collective stuck past the
 group's timeout. With timeout=None the call is plain dist.all_reduce too.
 
+Ranks out of step on these all-reduces (one rank stepped once more during the warm-up, called a utility alone,
+or averages GradScaler's overflow flag where another has no GradScaler) would pair tensors of different calls:
+gloo aborts the process when their sizes differ ("Received data size doesn't match") and sums unrelated data
+when they are equal. So a caller announces each batch of all-reduces with ``agree(what, label, sizes)``: one
+all-reduce of 5 float64 per rank (the same size on every rank and for every batch) in which each rank writes
+which object, which call, its label (the caller's step) and the sizes. On a difference every rank raises
+``CollectiveMismatch``, naming what each rank was about to do, and nothing of the batch was posted, so the
+group's collectives stay paired and the object usable.
+
 The default group is never held: ``process_group=None`` stays None and torch looks the group up at each call.
 Held, it would outlive dist.destroy_process_group() for as long as the optimizer lives, and so would gloo's
 worker threads: one still releasing a finished all-reduce's Python tensors at interpreter exit needs the GIL
@@ -24,23 +33,45 @@ of a group that was given.
 from __future__ import annotations
 
 import datetime
+import json
 import time
-from typing import Optional
+import zlib
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .arrival import ExchangeError, ExchangeTimeout, wait_for_ranks
-from .roster import Roster
+from .roster import BLAME_GRACE_S, Roster, swap
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks announced different batches of all-reduces (``BoundedAllReduce.agree``). ``sides``: rank -> (what,
+    label, number of tensors, elements), or None for a rank whose words did not come through the store."""
+
+    def __init__(self, message: str, sides: Dict[int, Optional[Tuple[str, int, int, int]]]):
+        super().__init__(message)
+        self.sides = sides
+
+
+# agree() calls so far per process group (the same count on every rank while their collectives stay paired): names
+# the store keys through which the ranks of a mismatch, possibly on different objects, put their sides into words.
+_agreements: Dict[str, int] = {}
+
+
+def _crc(text: str) -> float:
+    return float(zlib.crc32(text.encode()))  # < 2^32: exact in float64
 
 
 class BoundedAllReduce:
-    def __init__(self, process_group=None, *, timeout: Optional[float] = None):
+    def __init__(self, process_group=None, *, timeout: Optional[float] = None, device=None):
         self.group = process_group  # None: the default group, looked up at each call (see above)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout = None if timeout is None else float(timeout)
         self.bounded = self.timeout is not None and "nccl" not in str(dist.get_backend(self.group))
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         namespace = wait_for_ranks(self.group, self.timeout, "setting up the optimizer's all-reduces")
+        self._namespace = namespace  # the same on every rank, and distinct per object: tells two objects apart
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
         self._closed = False
@@ -49,13 +80,47 @@ class BoundedAllReduce:
         """Lets go of the process group (the owner is shutting down); later calls raise RuntimeError."""
         self.group, self._closed = None, True
 
-    def __call__(self, tensor: torch.Tensor, what: str):
-        """Sums `tensor` over the group in place (`what` names it in errors)."""
+    def _check_usable(self, what: str):
         if self._closed:
             raise RuntimeError(f"decent_comm: {what}: the optimizer was shut down (shutdown() released its "
                                f"process group)")
         if self._error is not None:
             raise ExchangeError(f"decent_comm: {what}: unusable after an earlier error; the error was: {self._error}")
+
+    def agree(self, what: str, label: int, sizes: Sequence[int]) -> None:
+        """Before a batch of all-reduces (`sizes`: their element counts; `label`: e.g. the step): returns when every
+        rank announced the same batch on this object, else raises CollectiveMismatch on every rank (see above)."""
+        self._check_usable(what)
+        mine = [_crc(self._namespace), _crc(what), float(label), float(len(sizes)), float(sum(sizes))]
+        rows = torch.zeros((self.world_size, len(mine)), dtype=torch.float64, device=self.device)
+        rows[self.rank] = torch.tensor(mine, dtype=torch.float64)
+        group_name = (self.group or dist.distributed_c10d._get_default_group()).group_name
+        seq = _agreements[group_name] = _agreements.get(group_name, 0) + 1
+        self(rows.view(-1), f"{what}: announcing it to the other ranks")
+        rows = rows.tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        # Every rank saw the same rows, so each gets here at this same call: put each side into words through
+        # the store (a few ms, on this path only).
+        sides: Dict[int, Optional[Tuple[str, int, int, int]]] = {r: None for r in range(self.world_size)}
+        try:
+            said, _ = swap(f"decent_comm/agree/{group_name}/{seq}", self.rank, range(self.world_size),
+                           json.dumps([what, int(label), len(sizes), int(sum(sizes))]), BLAME_GRACE_S)
+            sides.update({r: tuple(json.loads(v)) for r, v in said.items()})
+        except dist.DistError:  # the store failed: a side unknown in words is still known to differ
+            pass
+        for r, row in enumerate(rows):
+            if row[0] != rows[self.rank][0] and sides[r] is not None:  # another object of this process group
+                sides[r] = (sides[r][0] + " (of another optimizer)",) + sides[r][1:]
+        listed = "; ".join(f"rank {r}{' (this rank)' if r == self.rank else ''}: "
+                           + (f"{s[0]}, label {s[1]}, {s[2]} tensors of {s[3]} elements" if s else "(unknown)")
+                           for r, s in sides.items())
+        raise CollectiveMismatch(f"decent_comm: {what}: the ranks are not about to run the same all-reduces "
+                                 f"({listed}); none of them was started", sides)
+
+    def __call__(self, tensor: torch.Tensor, what: str):
+        """Sums `tensor` over the group in place (`what` names it in errors)."""
+        self._check_usable(what)
         if not self.bounded:
             dist.all_reduce(tensor, group=self.group)
             return

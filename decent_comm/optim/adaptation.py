@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..topology import Adaptive, AdaptStats
+from .diagnostics import announce
 
 log = logging.getLogger("decent_comm")
 
@@ -93,6 +94,7 @@ class AdaptiveDriver:
         """One all-reduce of the four local scalars: every rank gets the same statistics."""
         local = self._local_stats()
         if self._all_reduce is not None:
+            announce(self._all_reduce, "the adaptive topology's statistics", step, [local.numel()])
             self._all_reduce(local, f"the adaptive topology's statistics at step {step}")
         total, count, step_sq, lr = local.tolist()
         n = self.world_size

@@ -320,7 +320,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def global_average(self):
         """Swaps in the exact global average of the replicas (for evaluation or saving) and restores each
         rank's own parameters on exit. A collective: every rank must enter it."""
-        self._check_same_step("global_average()")
+        self._announce("global_average()", [b.flat.numel() for b in self._buckets])
         self.synchronize()
         saved = [b.flat.clone() for b in self._buckets]
         try:
@@ -333,7 +333,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
 
     def average_parameters(self):
         """Permanently replaces every replica by the global average (e.g. before final evaluation)."""
-        self._check_same_step("average_parameters()")
+        self._announce("average_parameters()", [b.flat.numel() for b in self._buckets])
         self.synchronize()
         self._average_()
         self._schedule.forget_inflight()  # what neighbours sent before the average is stale now

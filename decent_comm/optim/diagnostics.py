@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..exchange.arrival import ranks_text
+from ..exchange.bounded import CollectiveMismatch
 
 log = logging.getLogger("decent_comm")
 
@@ -82,29 +83,37 @@ def all_reduce_mean_(t: torch.Tensor, all_reduce, world_size: int, what: str):
     t.div_(world_size)
 
 
-@torch.no_grad()
-def check_same_step(step: int, all_reduce, rank: int, world_size: int, device, what: str) -> None:
-    """RuntimeError on every rank when the ranks have taken different numbers of optimizer steps (a collective).
+def announce(all_reduce, what: str, step: int, sizes: List[int]) -> None:
+    """Before the optimizer's whole-group all-reduces of `sizes` elements (a step's or a utility's): every rank
+    checks that every rank is about to run the same ones, after the same number of optimizer steps
+    (BoundedAllReduce.agree), and raises RuntimeError naming the ranks otherwise, before any of them is posted.
 
-    Gossip cannot see it: a rank that calls step() once more than the others (an uneven last batch) pairs each
-    later round with its neighbours' previous one, same sizes and tags, so nothing fails; the replicas mix
-    rounds of different steps until the first rank leaves. The collective utilities already meet every rank, so
-    they compare the counts first (one all-reduce of world_size float64s, exact up to 2^53 steps)."""
-    if world_size == 1:
+    Gossip cannot see it: a rank that calls step() once more than the others (an uneven last batch) pairs each later
+    round with its neighbours' previous one, same sizes and tags, so nothing fails and the replicas mix rounds of
+    different steps; and whole-group all-reduces out of step would pair tensors of different calls (gloo aborts the
+    process on unequal sizes)."""
+    if all_reduce is None:
         return
-    counts = torch.zeros(world_size, dtype=torch.float64, device=device)
-    counts[rank] = step
-    all_reduce(counts, f"{what}: the step-count check")
-    steps = [int(c) for c in counts.tolist()]
-    if min(steps) == max(steps):
-        return
-    by_count: Dict[int, List[int]] = {}
-    for r, c in enumerate(steps):
-        by_count.setdefault(c, []).append(r)
-    seen = "; ".join(f"{ranks_text(rs)}: {c} steps" for c, rs in sorted(by_count.items(), reverse=True))
-    raise RuntimeError(f"decent_comm: {what}: the ranks have taken different numbers of optimizer steps ({seen}). "
-                       f"Every rank must call step() equally often (e.g. drop an uneven last batch on every rank); "
-                       f"since they diverged, each gossip round has mixed neighbours' parameters of other steps")
+    try:
+        all_reduce.agree(what, step, sizes)
+    except CollectiveMismatch as e:
+        sides = e.sides
+        known = [v for v in sides.values() if v is not None]
+        if len(known) == len(sides) and len({(v[0], v[2], v[3]) for v in known}) == 1:
+            by_count: Dict[int, List[int]] = {}
+            for r, v in sides.items():
+                by_count.setdefault(v[1], []).append(r)
+            seen = "; ".join(f"{ranks_text(rs)}: {c} steps" for c, rs in sorted(by_count.items(), reverse=True))
+            problem = f"the ranks have taken different numbers of optimizer steps ({seen})"
+        else:
+            same_call = len(known) == len(sides) and len({(v[0], v[1]) for v in known}) == 1
+            seen = "; ".join(f"rank {r}: " + (f"{v[0]} after {v[1]} steps" if v is not None else "(unknown)")
+                             + (f" ({v[2]} tensors, {v[3]} elements)" if same_call else "") for r, v in sides.items())
+            problem = f"the ranks are not running the same whole-group all-reduce ({seen})"
+        raise RuntimeError(f"decent_comm: {what}: {problem}. Every rank must call step() equally often (e.g. drop an "
+                           "uneven last batch on every rank), use a GradScaler on every rank or on none, and call the "
+                           "collective utilities together; gossip between ranks at different steps mixes neighbours' "
+                           "parameters of other steps") from e
 
 
 @torch.no_grad()
@@ -180,11 +189,10 @@ class ReplicaWatch:
     """The optimizers' methods for watching the replicas (mixed into DecentralizedMixin, whose schedule, buckets
     and process group they read)."""
 
-    def _check_same_step(self, what: str):
+    def _announce(self, what: str, sizes: List[int]):
         """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
-        rank at another step never sends): every rank raises if the step counts differ."""
-        s = self._schedule
-        check_same_step(s.t, s.all_reduce, self.rank, self.world_size, s.device, what)
+        rank at another step never sends): every rank raises if they are not all at this utility and step."""
+        announce(self._schedule.all_reduce, what, self._schedule.t, sizes)
 
     @property
     def last_disagreement(self) -> float:
@@ -202,7 +210,7 @@ class ReplicaWatch:
         ``all_reduce=True`` returns the mean over ranks (a collective: every rank must call it)."""
         out = self._schedule.meter.values(per_bucket, self._schedule.device)
         if all_reduce and self.world_size > 1:
-            self._check_same_step("disagreement(all_reduce=True)")
+            self._announce("disagreement(all_reduce=True)", [out.numel()])
             all_reduce_mean_(out, self._schedule.all_reduce, self.world_size, "disagreement(all_reduce=True)")
         return out.tolist() if per_bucket else float(out[0])
 
@@ -234,7 +242,7 @@ class ReplicaWatch:
             raise ValueError(f"every must be a positive integer, got {every!r}")
         if self._schedule.t % int(every):
             return None
-        self._check_same_step("replica_variance()")
+        self._announce("replica_variance()", [sum(len(b.slots) + b.flat.numel() for b in self._buckets)])
         self.synchronize()
         names_of = param_names(self.param_groups, names if names is not None else self._model)
         return replica_variance(self._buckets, self._param_list(), names_of, self._schedule.all_reduce,
@@ -243,6 +251,6 @@ class ReplicaWatch:
     @torch.no_grad()
     def consensus_distance(self) -> float:
         """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
-        self._check_same_step("consensus_distance()")
+        self._announce("consensus_distance()", [b.flat.numel() for b in self._buckets] + [1])
         self.synchronize()
         return consensus_distance(self._buckets, self._schedule.all_reduce, self.world_size)

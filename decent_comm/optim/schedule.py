@@ -28,7 +28,7 @@ from ..exchange.arrival import ranks_text
 from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
-from .diagnostics import DisagreementMeter
+from .diagnostics import DisagreementMeter, announce
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, consensus_factor, mix_plan
@@ -88,7 +88,8 @@ class GossipSchedule(ScheduleCheckpoint):
         # The whole-group all-reduces (inside step(): warm-up gradients, adaptive statistics; the collective
         # utilities: global_average, consensus_distance, ...) raise within `timeout` like the gossip does, instead
         # of waiting for the process group's own (gloo: 30 min).
-        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout)) if world_size > 1 else None
+        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout),
+                                           device=self.device) if world_size > 1 else None
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
@@ -130,16 +131,19 @@ class GossipSchedule(ScheduleCheckpoint):
         if not self.cadence.in_warmup(step):
             return False
         if self.world_size > 1:
-            self._allreduce_gradients(found_inf)
+            self._allreduce_gradients(step, found_inf)
         return True
 
     @traced("warmup_allreduce")
     @torch.no_grad()
-    def _allreduce_gradients(self, found_inf: Optional[torch.Tensor]):
+    def _allreduce_gradients(self, step: int, found_inf: Optional[torch.Tensor]):
         # DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
         # gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
         # every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient.
         present = [s.param.grad is not None for b in self.buckets for s in b.slots]
+        scaler = [found_inf.numel()] if found_inf is not None else []
+        what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
+        announce(self.all_reduce, what, step, [len(present)] + [b.grad.numel() for b in self.buckets] + scaler)
         used = torch.tensor(present, dtype=torch.float32, device=self.device)
         self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
         used_anywhere = (used > 0).tolist()
