@@ -128,6 +128,26 @@ def test_options_that_differ_between_ranks_are_named_on_every_rank(option):
         assert "rank 1" in m and option.split()[0] in m, (option, m)
 
 
+def _parameters_in_another_order(rank, n, give_model):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    params = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    if rank == 1:  # list(set_of_names): its order follows each process's hash seed
+        params = params[2:] + params[:2]
+    try:
+        decent_comm.DAdamW(params, topology="ring", timeout=20, model=model if give_model else None).shutdown()
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_parameters_of_equal_shapes_in_another_order_are_named_when_the_model_is_given():
+    """Without their names the shapes agree and each layer gossips with the other layer's replicas, silently; with
+    model= the names go into the start-up comparison."""
+    for m in run_ranks(_parameters_in_another_order, 3, True, timeout=120):
+        assert "replicas disagree: rank 1: parameter 0 is ('2.weight'" in m and "it is ('0.weight'" in m, m
+    assert run_ranks(_parameters_in_another_order, 3, False, timeout=120) == ["no error"] * 3  # nothing tells
+
+
 ONE_RANK_REFUSES = {  # rank 1's options fail its own checks; the others' are valid
     "mode": (dict(mode="AWC"), "mode must be one of"),
     "delayed_mix": (dict(mode="atc", delayed_mix=True), "delayed_mix=True needs mode='awc'"),

@@ -80,7 +80,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
             self._ddp_guard = DDPGuard(self, self._buckets, model)
             if self.world_size > 1:
-                config = replica_config(self._buckets, topology, self.param_groups, optimizer=self._optimizer_name(),
+                config = replica_config(self._buckets, topology, self.param_groups, model,
+                                        optimizer=self._optimizer_name(),
                                         mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
                                         bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every,
                                         warmup_steps=warmup_steps, delayed_mix=delayed_mix,

@@ -125,11 +125,17 @@ def _plain(value):
     return repr(value)
 
 
-def replica_config(buckets, topology, param_groups, **options) -> dict:
+def replica_config(buckets, topology, param_groups, model=None, **options) -> dict:
     """Everything every rank must agree on, in the order a mismatch is reported: what shapes the bytes on the
     wire (parameters, bucket layout, wire dtype, exchange), and what changes the math (optimizer and its
-    hyper-parameters, mode, topology, consensus). `options`: name -> value of the optimizer's other settings."""
-    config = {"parameter": [(tuple(s.param.shape), str(s.param.dtype)) for b in buckets for s in b.slots]}
+    hyper-parameters, mode, topology, consensus). `options`: name -> value of the optimizer's other settings.
+    With `model`, each parameter's name too: parameters of equal shapes passed in another order on one rank (a
+    list built from a set of names, whose order follows the per-process hash seed) would otherwise be averaged
+    with other parameters' replicas, silently."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    config = {"parameter": [((names.get(id(s.param)),) if model is not None else ()) + (tuple(s.param.shape),
+                                                                                       str(s.param.dtype))
+                            for b in buckets for s in b.slots]}
     config.update({name: _plain(value) for name, value in options.items()})
     config["topology fingerprint"] = topology.fingerprint()
     config["bucket"] = [(b.numel, str(b.dtype), b.device.type) for b in buckets]  # follows from the above
