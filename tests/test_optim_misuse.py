@@ -318,13 +318,13 @@ def test_another_ranks_state_dict_is_refused():
         assert f"saved by rank {(r + 1) % 3}" in m and f"rank {r}" in m, m
 
 
-def _nan_on_one_rank(rank, n, mode, topology, culprit_exits=False):
+def _nan_on_one_rank(rank, n, mode, topology, culprit_exits=False, warmup_steps=0):
     model = make_model(rank)
     # exchange="p2p": a ring on 3 ranks would otherwise run as the group all-reduce too, as "complete" does.
     # ring-int8: the 8-bit wire, whose received bytes are checked once added to the neighbour's public copy
     opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology=topology.split("-")[0], mode=mode, check_finite=True,
                            timeout=20, exchange="p2p" if topology.startswith("ring") else "auto",
-                           comm_dtype=torch.int8 if topology.endswith("int8") else None)
+                           comm_dtype=torch.int8 if topology.endswith("int8") else None, warmup_steps=warmup_steps)
     start = time.monotonic()
     try:
         for t in range(6):
@@ -357,6 +357,15 @@ def test_check_finite_names_the_rank_and_step_on_every_rank(mode, topology):
             "all-reduce among ranks [0, 1, 2] (rank 1 sent non-finite"
         assert "non-finite" in m and culprit in m, (r, m)
         assert res[r]["elapsed"] < 15, res[r]
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_check_finite_names_the_rank_whose_gradient_the_warmup_average_carried(mode):
+    """During the warm-up the all-reduced gradient makes every rank's parameters non-finite at once: each rank
+    used to name itself; the culprit marks its own gradients beside the average, and every rank names it."""
+    for r, res in enumerate(run_ranks(_nan_on_one_rank, 3, mode, "ring", False, 5, timeout=120)):
+        assert f"rank {r}: the parameters of bucket(s) [0] are not finite after optimizer step 3, a warm-up step whose " \
+               "gradient average carried the non-finite gradients of rank 1" in res["msg"], (r, res)
 
 
 @pytest.mark.parametrize("topology", ["ring", "complete"])

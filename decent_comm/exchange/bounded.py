@@ -80,6 +80,15 @@ class BoundedAllReduce:
         """Lets go of the process group (the owner is shutting down); later calls raise RuntimeError."""
         self.group, self._closed = None, True
 
+    def flag(self, what: str):
+        """Marks `what` as true of this rank, beside the sums (which cannot say whose values they hold): called
+        before the all-reduce it concerns, so every rank that sees that all-reduce complete can see the mark."""
+        self._roster.flag(what)
+
+    def flagged(self, what: str):
+        """The ranks that marked `what` ([] when none did, or the store cannot tell)."""
+        return self._roster.flagged(what, range(self.world_size))
+
     def _check_usable(self, what: str):
         if self._closed:
             raise RuntimeError(f"decent_comm: {what}: the optimizer was shut down (shutdown() released its "

@@ -144,6 +144,8 @@ class GossipSchedule(ScheduleCheckpoint):
         scaler = [found_inf.numel()] if found_inf is not None else []
         what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
         announce(self.all_reduce, what, step, [len(present)] + [b.grad.numel() for b in self.buckets] + scaler)
+        if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
+            self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (launch())
         used = torch.tensor(present, dtype=torch.float32, device=self.device)
         self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
         used_anywhere = (used > 0).tolist()
@@ -214,7 +216,16 @@ class GossipSchedule(ScheduleCheckpoint):
             self._complete_before_raising(plan)
             when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
             raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
-                               f"{when} (check_finite=True; steps count from 0)")
+                               f"{when}{self._warmup_culprits(made_by)} (check_finite=True; steps count from 0)")
+
+    def _warmup_culprits(self, step: Optional[int]) -> str:
+        """For check_finite's message after a warm-up step: the ranks whose own gradients were non-finite (every
+        rank's parameters are, once the average carried them)."""
+        if step is None or self.all_reduce is None or not self.cadence.in_warmup(step):
+            return ""
+        ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}")
+        return (f", a warm-up step whose gradient average carried the non-finite gradients of {ranks_text(ranks)}"
+                if ranks else "")
 
     def _complete_before_raising(self, plan: MixPlan):
         """check_finite found this rank's buffers non-finite: lets the exchange just posted finish first. The
