@@ -132,10 +132,12 @@ def test_dsgd_uses_the_momentum_of_a_torch_sgd_checkpoint():
 
 
 @pytest.mark.parametrize("ctor, flag", [(decent_comm.DAdamW, "amsgrad"), (decent_comm.DAdam, "maximize"),
-                                        (decent_comm.DSGD, "maximize"), (decent_comm.AccumAdamW, "amsgrad")])
+                                        (decent_comm.DSGD, "maximize"), (decent_comm.AccumAdamW, "amsgrad"),
+                                        (decent_comm.DAdamW, "capturable"), (decent_comm.DSGD, "differentiable")])
 def test_a_group_asking_for_what_the_kernels_do_not_do_is_refused(ctor, flag):
-    """torch reads amsgrad / maximize per group: a group or a torch checkpoint setting one must not train as plain
-    Adam/SGD. The checkpoint is refused before anything is loaded."""
+    """torch reads amsgrad / maximize per group: a group, a torch checkpoint or an edit of param_groups setting one
+    must not train as plain Adam/SGD. The checkpoint is refused before anything is loaded, the edit at the next
+    step, before anything moves."""
     m = model()
     ps = list(m.parameters())
     with pytest.raises(ValueError, match=rf"param group 1\): {flag}=True is not supported"):
@@ -152,6 +154,11 @@ def test_a_group_asking_for_what_the_kernels_do_not_do_is_refused(ctor, flag):
     for i, st in before["state"].items():
         for k, v in st.items():
             torch.testing.assert_close(after["state"][i][k], v, rtol=0, atol=0)
+    opt.param_groups[0][flag] = True  # an edit between steps
+    unchanged = params(m)
+    with pytest.raises(ValueError, match=rf"param group 0\): {flag}=True is not supported"):
+        step(m, opt, 1)
+    assert_same(params(m), unchanged, exact=True)
 
 
 def test_a_torch_checkpoint_loads_and_continues_as_torch():

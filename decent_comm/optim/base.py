@@ -173,6 +173,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._ddp_guard.remove()
             self._ddp_guard = None
         check_param_groups(self.param_groups, self._groups_built)
+        self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
         self._schedule.check_running()
         if closure is None and self._is_state_initialization():
             self._initialize_state()

@@ -88,7 +88,7 @@ def _reject_unsupported(cls_name, where="", **flags):
 class _FusedGroupOptions:
     """torch options that change the update and the fused kernels do not implement: refused in every param group
     too (constructor arguments, groups given as dicts, loaded checkpoints), as torch reads them per group."""
-    _UNSUPPORTED = ("maximize",)
+    _UNSUPPORTED = ("maximize", "differentiable")  # checked at construction, load and every step, as torch reads them
 
     def _check_group_options(self, groups):
         name = type(self).__name__
@@ -145,7 +145,7 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
 
 class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     _decoupled = False
-    _UNSUPPORTED = ("amsgrad", "maximize")
+    _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
     _amp_in_kernel = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
