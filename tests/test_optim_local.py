@@ -139,3 +139,28 @@ def test_near_one_coefficients_are_as_precise_as_torch_float32(name, device):
     err_ours = (ours_p.detach().cpu().double() - p64.detach()).abs().max().item()
     err_torch = (p32.detach().double() - p64.detach()).abs().max().item()
     assert err_ours <= 2 * err_torch + 1e-7, (err_ours, err_torch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dsgd_momentum_switched_on_after_the_first_step_is_torchs(device):
+    """torch.optim.SGD starts the momentum buffer at the gradient the first time momentum is non-zero, keeps it in
+    opt.state and checkpoints it. Switched on at step 2 the buffer was never published (a checkpoint lost it) and
+    started at (1 - dampening) g."""
+    m_ours, m_torch = make_model(device), make_model(device)
+    ours = decent_comm.DSGD(m_ours.parameters(), lr=0.05, dampening=0.5)
+    ref = torch.optim.SGD(m_torch.parameters(), lr=0.05, dampening=0.5)
+    sched = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0) for o in (ours, ref)]
+
+    def switch_on(o):
+        o.param_groups[0]["momentum"] = 0.9
+
+    for model, opt, s in ((m_ours, ours, sched[0]), (m_torch, ref, sched[1])):
+        run(model, opt, device, 2, sched=s)
+        switch_on(opt)
+        run(model, opt, device, 4, start=2, sched=s)
+    assert_params_close("DSGD", [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])
+    saved = ours.state_dict()
+    assert all("momentum_buffer" in st for st in saved["state"].values()), saved["state"]
+    for p, q in zip(m_ours.parameters(), m_torch.parameters()):
+        torch.testing.assert_close(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"].float(),
+                                   rtol=2e-5, atol=2e-6)

@@ -137,9 +137,14 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         momentum = group["momentum"]
-        buf = b.state_buffer("momentum_buffer")[sl] if momentum != 0 else None
+        buf, first = None, step == 0
+        if momentum != 0:
+            if "momentum_buffer" not in b.state:  # momentum switched on now: torch starts the buffer at g, as at step 0
+                b.momentum_started = self._schedule.t
+            buf = b.state_buffer("momentum_buffer")[sl]
+            first = first or b.momentum_started == self._schedule.t
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
-                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0,
+                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=first,
                      disagreement=disagreement, **op_kwargs)
 
 

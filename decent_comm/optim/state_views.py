@@ -15,7 +15,7 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
     """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
     `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
     semantics: no state before a parameter's first update)."""
-    if all(b.published):
+    if all(b.published) and all(len(v) == len(b.state) + 1 for v in b.published):
         return
     published = list(b.published)
     for i, s in enumerate(b.slots):
@@ -24,6 +24,12 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
             views["step"] = b.step_count[i]
             state[s.param].update(views)
             published[i] = views
+        elif published[i] and len(published[i]) != len(b.state) + 1:
+            # a state buffer created after this slot was published (DSGD's momentum switched on mid-run): torch
+            # keeps it in opt.state, so state_dict() and checkpoints carry it
+            added = {name: b.view(buf, s) for name, buf in b.state.items() if name not in published[i]}
+            state[s.param].update(added)
+            published[i] = {**published[i], **added}
     b.published = published
 
 
