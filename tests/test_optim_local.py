@@ -164,3 +164,26 @@ def test_dsgd_momentum_switched_on_after_the_first_step_is_torchs(device):
     for p, q in zip(m_ours.parameters(), m_torch.parameters()):
         torch.testing.assert_close(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"].float(),
                                    rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_channels_last_parameters_keep_their_layout_and_train_as_torch(device):
+    """torch's optimizers never change a parameter's memory format; the bucket views kept only the shape."""
+    def conv(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).to(
+            device, memory_format=torch.channels_last)
+    m_ours, m_torch = conv(0), conv(0)
+    ours = decent_comm.DAdamW(m_ours.parameters(), lr=0.01, weight_decay=0.1)
+    ref = torch.optim.AdamW(m_torch.parameters(), lr=0.01, weight_decay=0.1)
+    for t in range(4):
+        x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(t)).to(device,
+                                                                                 memory_format=torch.channels_last)
+        for m, o in ((m_ours, ours), (m_torch, ref)):
+            o.zero_grad(set_to_none=t % 2 == 0)
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(m_ours.parameters(), m_torch.parameters()):
+        assert p.stride() == q.stride() and p.grad.stride() == q.grad.stride(), (p.stride(), q.stride())
+        assert ours.state[p]["exp_avg"].stride() == q.stride()
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6)

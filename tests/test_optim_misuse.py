@@ -140,6 +140,25 @@ def _parameters_in_another_order(rank, n, give_model):
         return str(exc)
 
 
+def _layouts_differ(rank, n):
+    model = torch.nn.Conv2d(3, 4, 3)
+    if rank == 1:
+        model = model.to(memory_format=torch.channels_last)  # same shapes, another order of the elements in memory
+    try:
+        decent_comm.DAdamW(model.parameters(), topology="ring", timeout=20).shutdown()
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_a_parameter_in_another_memory_format_on_one_rank_is_named():
+    """The buckets keep each parameter's layout (channels_last), so the flat buffers of two ranks whose layouts
+    differ would pair other elements: the strides are part of the start-up comparison."""
+    for m in run_ranks(_layouts_differ, 3, timeout=120):
+        assert "replicas disagree: rank 1: parameter 0 is ((4, 3, 3, 3), 'torch.float32', 'strides (27, 1, 9, 3)')" \
+            in m, m
+
+
 def test_parameters_of_equal_shapes_in_another_order_are_named_when_the_model_is_given():
     """Without their names the shapes agree and each layer gossips with the other layer's replicas, silently; with
     model= the names go into the start-up comparison."""

@@ -8,7 +8,7 @@ same layout, exposed per parameter as views (so torch.optim's state_dict machine
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,6 +26,9 @@ class Slot:
     param: torch.nn.Parameter
     offset: int
     numel: int
+    # The parameter's strides when it is dense but not contiguous (channels_last): its views keep that layout, as
+    # torch's optimizers never change a parameter's memory format. None: contiguous views.
+    stride: Optional[Tuple[int, ...]] = None
 
 
 @dataclass
@@ -63,7 +66,8 @@ class Bucket:
         return self.steps if self.classes is None else self.classes
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
-        return flat[slot.offset: slot.offset + slot.numel].view_as(slot.param)
+        seg = flat[slot.offset: slot.offset + slot.numel]
+        return seg.view_as(slot.param) if slot.stride is None else seg.as_strided(slot.param.shape, slot.stride)
 
     def new_flat(self, dtype: Optional[torch.dtype] = None, zero: bool = True) -> torch.Tensor:
         """A new flat buffer of this bucket's length (`dtype`, default the bucket's), in the next page lane."""
@@ -112,13 +116,23 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
                 b = Bucket(len(buckets), gi, p.device, p.dtype, [], 0)
                 buckets.append(b)
                 open_buckets[key] = b
-            b.slots.append(Slot(p, b.numel, p.numel()))
+            b.slots.append(Slot(p, b.numel, p.numel(), None if p.is_contiguous() or not _dense(p) else p.stride()))
             b.numel += size
     for b in buckets:
         _materialize(b)
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
         b.published = [None] * len(b.slots)
     return buckets
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill numel() consecutive places, each once, in some order of the dimensions (channels_last)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 def _materialize(b: Bucket) -> None:

@@ -135,6 +135,7 @@ def replica_config(buckets, topology, param_groups, model=None, **options) -> di
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     config = {"parameter": [((names.get(id(s.param)),) if model is not None else ()) + (tuple(s.param.shape),
                                                                                        str(s.param.dtype))
+                            + ((f"strides {s.stride}",) if s.stride is not None else ())  # the flat layout
                             for b in buckets for s in b.slots]}
     config.update({name: _plain(value) for name, value in options.items()})
     config["topology fingerprint"] = topology.fingerprint()
