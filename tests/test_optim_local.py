@@ -187,3 +187,25 @@ def test_channels_last_parameters_keep_their_layout_and_train_as_torch(device):
         assert p.stride() == q.stride() and p.grad.stride() == q.grad.stride(), (p.stride(), q.stride())
         assert ours.state[p]["exp_avg"].stride() == q.stride()
         torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dsgd_momentum_switched_on_under_grad_scaler_trains_as_torch(device):
+    """Under GradScaler the step counts live on the device and the kernel takes the first step from them: the switch
+    must not pass first_step (it did, and the op refused the step). With dampening 0 the buffer's start is g either
+    way, so the run equals torch.optim.SGD's under the same scaler."""
+    m_ours, m_torch = make_model(device), make_model(device)
+    ours = decent_comm.DSGD(m_ours.parameters(), lr=0.05)
+    ref = torch.optim.SGD(m_torch.parameters(), lr=0.05)
+    for model, opt in ((m_ours, ours), (m_torch, ref)):
+        scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+        for t in range(5):
+            if t == 2:
+                opt.param_groups[0]["momentum"] = 0.9
+            g = torch.Generator().manual_seed(t)
+            x, y = torch.randn(9, 5, generator=g).to(device), torch.randn(9, 2, generator=g).to(device)
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert_params_close("DSGD", [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])

@@ -48,6 +48,7 @@ class Bucket:
     # Per slot: the views opt.state[p] got, if any. Replaced, never changed in place, so that a new list object
     # tells user_edits.StateWatch to look again.
     published: List[Optional[dict]] = field(default_factory=list)
+    published_names: frozenset = frozenset()  # the state buffers the published views cover
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None

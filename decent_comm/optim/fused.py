@@ -139,10 +139,13 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         momentum = group["momentum"]
         buf, first = None, step == 0
         if momentum != 0:
-            if "momentum_buffer" not in b.state:  # momentum switched on now: torch starts the buffer at g, as at step 0
+            # Momentum switched on after the first step: torch starts the buffer at g, as at step 0. (Not with the
+            # step counts on the device, GradScaler's: the kernel takes the first step from the count alone, and the
+            # buffer starts at (1 - dampening) g there.)
+            if "momentum_buffer" not in b.state and step is not None and step > 0:
                 b.momentum_started = self._schedule.t
             buf = b.state_buffer("momentum_buffer")[sl]
-            first = first or b.momentum_started == self._schedule.t
+            first = first or (step is not None and b.momentum_started == self._schedule.t)
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
                      group["dampening"], group["weight_decay"], group["nesterov"], first_step=first,
                      disagreement=disagreement, **op_kwargs)

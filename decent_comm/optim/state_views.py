@@ -15,7 +15,8 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
     """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
     `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
     semantics: no state before a parameter's first update)."""
-    if all(b.published) and all(len(v) == len(b.state) + 1 for v in b.published):
+    new_names = b.state.keys() - b.published_names
+    if all(b.published) and not new_names:
         return
     published = list(b.published)
     for i, s in enumerate(b.slots):
@@ -24,13 +25,14 @@ def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Op
             views["step"] = b.step_count[i]
             state[s.param].update(views)
             published[i] = views
-        elif published[i] and len(published[i]) != len(b.state) + 1:
+        elif published[i] and new_names:
             # a state buffer created after this slot was published (DSGD's momentum switched on mid-run): torch
             # keeps it in opt.state, so state_dict() and checkpoints carry it
-            added = {name: b.view(buf, s) for name, buf in b.state.items() if name not in published[i]}
+            added = {name: b.view(b.state[name], s) for name in new_names if name not in published[i]}
             state[s.param].update(added)
             published[i] = {**published[i], **added}
     b.published = published
+    b.published_names = b.published_names | b.state.keys()
 
 
 #: what read_state found for each slot it loads: (id(bucket), slot index) -> (count or None, {name: tensor to copy,
@@ -86,7 +88,7 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, state_names: Calla
     none) has stepped: count 1."""
     for b in buckets:
         b.step_count.zero_()
-        b.published = [None] * len(b.slots)
+        b.published, b.published_names = [None] * len(b.slots), frozenset()
         names = state_names(b)
         for i, s in enumerate(b.slots):
             count, tensors = loaded.get((id(b), i), (None, {}))
