@@ -161,3 +161,27 @@ def test_atc_under_torch_compile_equals_eager(give_model):
     """torch.compile(model) with the mix-before-use hooks: the global hook (no model=) failed the compile inside
     Dynamo; it now runs eagerly (a graph break per module), and both follow the eager trajectory exactly."""
     assert run_ranks(_compiled_vs_eager, 2, give_model, timeout=300) == [0.0, 0.0]
+
+
+def _shutdown_applies_the_pending_mix(rank, n, give_model):
+    out = []
+    for finish in ("synchronize", "shutdown"):
+        model = make_model(0)
+        opt = decent_comm.DAdamW(model.parameters(), lr=0.05, topology="ring", mode="atc", timeout=30,
+                                 model=model if give_model else None)
+        for t in range(3):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        getattr(opt, finish)()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        opt.shutdown()
+    return (out[0] - out[1]).abs().max().item()
+
+
+@pytest.mark.parametrize("give_model", [True, False], ids=["model", "global-hook"])
+def test_shutdown_applies_the_pending_mix(give_model):
+    """The usual ending, opt.shutdown() then torch.save(model.state_dict()), saved the unmixed x^{t+1/2}: shutdown()
+    now applies the pending mix first, so the parameters are x^{t+1}, as after synchronize()."""
+    assert run_ranks(_shutdown_applies_the_pending_mix, 3, give_model, timeout=300) == [0.0] * 3

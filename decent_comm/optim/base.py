@@ -355,6 +355,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     # ----------------------------------------------------------------------------------------- teardown
 
     def shutdown(self):
-        """Completes pending communication and releases the exchanger (call before destroying the group)."""
+        """Completes pending communication (ATC: applies the pending mix, so the parameters are x^{t+1}) and releases
+        the exchanger and the process group (call before destroying the group)."""
         self._schedule.shutdown()
 

@@ -35,10 +35,10 @@ class MixBeforeUse:
                     self._handles += [m.register_forward_pre_hook(self._hook),
                                       m.register_state_dict_pre_hook(self._state_dict_hook)]
         else:
-            # Run eagerly, never traced: Dynamo inlines global hooks into every compiled module's forward, and
-            # tracing this one's WeakKeyDictionary lookup of the module failed the compile (Dynamo: the module
-            # "is already tracked for mutation"). A compiled model gets a graph break per module holding
-            # parameters; pass model= to keep its graph whole (those hooks trace).
+            # Never traced: Dynamo inlines global hooks into every compiled module's forward, and tracing this
+            # one's WeakKeyDictionary lookup of the module failed the compile (Dynamo: the module "is already
+            # tracked for mutation"). Disabled, it makes Dynamo run the modules with parameters eagerly (any
+            # compiled model's, while this optimizer lives): correct, not compiled. model= hooks do trace.
             self._handles.append(register_module_forward_pre_hook(torch.compiler.disable(self._hook)))
         # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict).
         handles = self._handles

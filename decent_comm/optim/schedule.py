@@ -28,13 +28,14 @@ from ..exchange.arrival import ranks_text
 from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
-from .diagnostics import DisagreementMeter, announce
+from .diagnostics import DisagreementMeter
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
 from .tracing import traced
+from .warmup import WarmupAverage
 
 log = logging.getLogger("decent_comm")
 
@@ -90,6 +91,8 @@ class GossipSchedule(ScheduleCheckpoint):
         # of waiting for the process group's own (gloo: 30 min).
         self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout),
                                            device=self.device) if world_size > 1 else None
+        self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite) \
+            if world_size > 1 else None
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
@@ -130,41 +133,9 @@ class GossipSchedule(ScheduleCheckpoint):
         together. Returns whether this step is a warm-up step."""
         if not self.cadence.in_warmup(step):
             return False
-        if self.world_size > 1:
-            self._allreduce_gradients(step, found_inf)
+        if self.warmup is not None:
+            self.warmup.average(step, found_inf)
         return True
-
-    @traced("warmup_allreduce")
-    @torch.no_grad()
-    def _allreduce_gradients(self, step: int, found_inf: Optional[torch.Tensor]):
-        # DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
-        # gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
-        # every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient.
-        present = [s.param.grad is not None for b in self.buckets for s in b.slots]
-        scaler = [found_inf.numel()] if found_inf is not None else []
-        what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
-        announce(self.all_reduce, what, step, [len(present)] + [b.grad.numel() for b in self.buckets] + scaler)
-        if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
-            self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (launch())
-        used = torch.tensor(present, dtype=torch.float32, device=self.device)
-        self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
-        used_anywhere = (used > 0).tolist()
-        k = 0
-        for b in self.buckets:
-            for s in b.slots:
-                if not present[k]:
-                    b.view(b.grad, s).zero_()
-                k += 1
-            self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
-            b.grad.div_(self.world_size)
-        k = 0
-        for b in self.buckets:
-            for s in b.slots:
-                if not present[k] and used_anywhere[k]:
-                    s.param.grad = b.view(b.grad, s)
-                k += 1
-        if found_inf is not None:
-            self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
     # -------------------------------------------------------------------------------------- communication
 
@@ -219,13 +190,8 @@ class GossipSchedule(ScheduleCheckpoint):
                                f"{when}{self._warmup_culprits(made_by)} (check_finite=True; steps count from 0)")
 
     def _warmup_culprits(self, step: Optional[int]) -> str:
-        """For check_finite's message after a warm-up step: the ranks whose own gradients were non-finite (every
-        rank's parameters are, once the average carried them)."""
-        if step is None or self.all_reduce is None or not self.cadence.in_warmup(step):
-            return ""
-        ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}")
-        return (f", a warm-up step whose gradient average carried the non-finite gradients of {ranks_text(ranks)}"
-                if ranks else "")
+        in_warmup = step is not None and self.warmup is not None and self.cadence.in_warmup(step)
+        return self.warmup.culprits(step) if in_warmup else ""
 
     def _complete_before_raising(self, plan: MixPlan):
         """check_finite found this rank's buffers non-finite: lets the exchange just posted finish first. The
@@ -398,7 +364,22 @@ class GossipSchedule(ScheduleCheckpoint):
                                "step would mix stale neighbour buffers; build a new optimizer to train on")
 
     def shutdown(self):
+        # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
+        # x^{t+1}, as after synchronize() (they were the unmixed x^{t+1/2}). Everything is released even if it fails.
+        first = None
+        if self.mode == "atc" and self.pending and not self._shut_down:
+            try:
+                self.mix_pending()
+            except Exception as e:  # noqa: BLE001 - raised once the exchange is released
+                first = e
         self._shut_down = True
+        try:
+            self._release()
+        finally:
+            if first is not None:
+                raise first
+
+    def _release(self):
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None

@@ -1,0 +1,63 @@
+"""The all-reduce warm-up (``warmup_steps``): the first steps average the gradients over the ranks, DDP's update,
+so the replicas start identical and stay so (as torch's PostLocalSGDOptimizer). Blocking whole-group all-reduces
+through the schedule's BoundedAllReduce, announced first (diagnostics.announce), since a rank out of step would
+pair them with another call's."""
+
+from typing import Optional
+
+import torch
+
+from ..exchange.arrival import ranks_text
+from .diagnostics import announce
+from .tracing import traced
+
+
+class WarmupAverage:
+    def __init__(self, buckets, all_reduce, world_size: int, device: torch.device, check_finite: bool):
+        self.buckets, self.all_reduce, self.world_size = buckets, all_reduce, world_size
+        self.device, self.check_finite = device, check_finite
+
+    @traced("warmup_allreduce")
+    @torch.no_grad()
+    def average(self, step: int, found_inf: Optional[torch.Tensor]):
+        """Replaces every bucket's gradient by the mean over the ranks: one all-reduce per bucket, plus one of
+        `found_inf` so every rank skips an overflow together.
+
+        DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
+        gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
+        every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient."""
+        present = [s.param.grad is not None for b in self.buckets for s in b.slots]
+        scaler = [found_inf.numel()] if found_inf is not None else []
+        what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
+        announce(self.all_reduce, what, step, [len(present)] + [b.grad.numel() for b in self.buckets] + scaler)
+        if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
+            self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (culprits())
+        used = torch.tensor(present, dtype=torch.float32, device=self.device)
+        self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
+        missing = not all(present)  # else nothing to learn from the counts: no host read of them
+        k = 0
+        for b in self.buckets:
+            if missing:
+                for s in b.slots:
+                    if not present[k]:
+                        b.view(b.grad, s).zero_()
+                    k += 1
+            self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
+            b.grad.div_(self.world_size)
+        if missing:
+            used_anywhere = (used > 0).tolist()
+            k = 0
+            for b in self.buckets:
+                for s in b.slots:
+                    if not present[k] and used_anywhere[k]:
+                        s.param.grad = b.view(b.grad, s)
+                    k += 1
+        if found_inf is not None:
+            self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
+
+    def culprits(self, step: int) -> str:
+        """For check_finite's message after warm-up step `step`: the ranks whose own gradients were non-finite
+        (every rank's parameters are, once the average carried them)."""
+        ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}")
+        return (f", a warm-up step whose gradient average carried the non-finite gradients of {ranks_text(ranks)}"
+                if ranks else "")
