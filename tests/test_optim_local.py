@@ -209,3 +209,19 @@ def test_dsgd_momentum_switched_on_under_grad_scaler_trains_as_torch(device):
             scaler.step(opt)
             scaler.update()
     assert_params_close("DSGD", [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_step_between_a_forward_and_its_backward_raises_as_torch(name, device):
+    """The GAN mistake: step() after the forward whose backward is still to come. torch's in-place update bumps the
+    parameters' version counters and the backward raises; the kernels write through the flat buffers, which
+    autograd does not see, so the backward computed a gradient from weights that were gone (76% off)."""
+    m_ours, ours, m_torch, ref = make_pair(name, device)
+    for model, opt in ((m_ours, ours), (m_torch, ref)):
+        x = torch.randn(9, 5).to(device)
+        model(x).square().mean().backward()
+        out = model(x).square().mean()  # saves the parameters for its backward
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()

@@ -24,7 +24,7 @@ from .. import ops
 from . import amp, diagnostics
 from .adaptation import sq_dist, sum_scalars
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
-                      segments, spread_count, zero_grads)
+                      segments, spread_count, written, zero_grads)
 from .checkpointing import StateDictMixin
 from .plan import Cadence, MixInputs
 from .schedule import MODES, GossipSchedule
@@ -194,6 +194,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._step_awc(skip_update)
         else:
             self._step_atc(skip_update)
+        written(self._buckets)
         self._closure = None
         self._note_state()
         return loss if self._closure_loss is None else self._closure_loss
@@ -332,6 +333,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             with torch.no_grad():
                 for b, s in zip(self._buckets, saved):
                     b.flat.copy_(s)
+                written(self._buckets)
 
     def average_parameters(self):
         """Permanently replaces every replica by the global average (e.g. before final evaluation)."""
@@ -346,6 +348,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             for b in self._buckets:
                 diagnostics.all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
                                              f"the global average of bucket {b.index}")
+            written(self._buckets)
 
     # ---------------------------------------------------------------------------------------- state_dict
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .flat_memory import flat_buffer
 
@@ -124,6 +125,14 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
         b.published = [None] * len(b.slots)
     return buckets
+
+
+def written(buckets) -> None:
+    """The kernels wrote these buckets' parameters in place through the flat buffers, which autograd does not see
+    (each Parameter keeps its own version counter): bump the parameters' counters as an in-place op of torch
+    would, so a backward through a graph that saved them raises "modified by an inplace operation" (opt.step()
+    between a forward and its backward) instead of computing a gradient from values that are gone."""
+    increment_version([s.param for b in buckets for s in b.slots])
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -32,7 +32,9 @@ class MixBeforeUse:
         if model is not None:
             for m in model.modules():
                 if m._parameters:
-                    self._handles += [m.register_forward_pre_hook(self._hook),
+                    # first among the module's pre-hooks: one registered earlier that computes the weight (the old
+                    # weight_norm / spectral_norm, torch.nn.utils.prune) must read the mixed parameters
+                    self._handles += [m.register_forward_pre_hook(self._hook, prepend=True),
                                       m.register_state_dict_pre_hook(self._state_dict_hook)]
         else:
             # Never traced: Dynamo inlines global hooks into every compiled module's forward, and tracing this

@@ -28,6 +28,7 @@ from ..exchange.arrival import ranks_text
 from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
+from .buckets import written
 from .diagnostics import DisagreementMeter
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
@@ -315,6 +316,7 @@ class GossipSchedule(ScheduleCheckpoint):
             nbs, wire = self.mix_inputs(b, plan).at()
             ops.gossip_mix_(b.flat, nbs, plan.self_weight, plan.weights, disagreement=self.meter.slot(b, 0), **wire)
             self.pending.discard(i)
+        written([self.buckets[i] for i in ids])
         if ids and not self.pending:
             self.end_mix(plan)
 
