@@ -225,3 +225,26 @@ def test_step_between_a_forward_and_its_backward_raises_as_torch(name, device):
         opt.step()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["vector_to_parameters", "data_assignment", "set_"])
+def test_parameters_given_new_storage_train_as_torch(how, device):
+    """New storage of the same dtype, device and size (p.data = t, vector_to_parameters, set_, to_empty) is what
+    torch trains from then on; it was refused as a model "converted or moved". Its values now go into the bucket
+    and .data points back at it."""
+    m_ours, ours, m_torch, ref = make_pair("DAdamW", device)
+    for model, opt in ((m_ours, ours), (m_torch, ref)):
+        run(model, opt, device, 2)
+        new = [torch.randn(p.shape, generator=torch.Generator().manual_seed(7 + i)).to(device)
+               for i, p in enumerate(model.parameters())]
+        with torch.no_grad():
+            if how == "vector_to_parameters":
+                torch.nn.utils.vector_to_parameters(torch.cat([t.reshape(-1) for t in new]), model.parameters())
+            for p, t in zip(model.parameters(), new):
+                if how == "data_assignment":
+                    p.data = t.clone()
+                elif how == "set_":
+                    p.set_(t.clone())
+        run(model, opt, device, 5, start=2)
+    assert_params_close(how, [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])

@@ -60,6 +60,26 @@ def test_model_converted_after_construction_is_named():
     assert torch.equal(lin.weight, before)
 
 
+def _utility_after_conversion(rank, n, utility):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=10)
+    train_steps(rank, model, opt, 2)
+    model.double()  # e.g. for a final evaluation; the parameters no longer live in the optimizer's buckets
+    try:
+        EVERY_UTILITY[utility](opt)
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("utility", ["global_average", "consensus_distance"])
+def test_collective_utilities_refuse_a_model_converted_after_construction(utility):
+    """Only step() used to check: global_average() averaged the buckets, which the converted model no longer
+    reads, and each rank kept its own weights inside the block."""
+    for m in run_ranks(_utility_after_conversion, 2, utility, timeout=120):
+        assert "is now torch.float64" in m and "model.to(...)" in m, m
+
+
 def test_add_param_group_is_refused_and_groups_added_to_the_inner_optimizer_too():
     opt = decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(RuntimeError, match="add_param_group"):

@@ -177,19 +177,11 @@ def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
     A .grad that is already our view costs nothing; one that user code replaced (or that autograd
     allocated after zero_grad(set_to_none=True)) is copied in, and .grad is pointed back at the view. A sparse
     gradient is densified when `sparse_ok` (the update is the same as from its dense form), else refused.
-    A parameter whose storage is no longer its bucket's (model.to(dtype/device) after the optimizer was
-    built) is refused with what to do: its updates would go to a buffer the model no longer reads.
+    A parameter whose storage is no longer its bucket's is taken back or refused first (adopt_storage).
     """
+    adopt_storage(b)
     with torch.no_grad():
         for i, s in enumerate(b.slots):
-            view = b.view(b.flat, s)
-            if s.param.data_ptr() != view.data_ptr() or s.param.dtype != b.dtype:
-                raise RuntimeError(
-                    f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(s.param.shape)}) is now "
-                    f"{s.param.dtype} on {s.param.device}, no longer a view of the optimizer's {b.dtype} buffer on "
-                    f"{b.device}: the model was converted or moved (model.to(...), .cuda(), .half()) after the "
-                    "optimizer was built. Build the optimizer after moving the model (as with DDP), or build a new "
-                    "one and load the old one's state_dict().")
             g = s.param.grad
             if g is None:
                 continue
@@ -207,6 +199,28 @@ def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
                                    f"{tuple(s.param.shape)}")
             view.copy_(g)
             s.param.grad = view
+
+
+@torch.no_grad()
+def adopt_storage(b: Bucket) -> None:
+    """Parameters whose .data is no longer their view of the bucket. Same dtype, device and size: user code gave
+    them new storage (p.data = t, vector_to_parameters, p.set_(t), model.to_empty()), and torch would train that:
+    the values are copied into the view and .data points back at it. Another dtype, device or size (model.to(...),
+    .half(), .cuda()) is refused with what to do: the updates would go to a buffer the model no longer reads."""
+    for i, s in enumerate(b.slots):
+        p = s.param
+        if p.dtype == b.dtype and p.device == b.device and p.numel() == s.numel:
+            view = b.view(b.flat, s)
+            if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
+                view.copy_(p.detach())
+                p.data = view
+            continue
+        raise RuntimeError(
+            f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} with {p.numel()} "
+            f"elements, where the optimizer's buffer holds {s.numel} {b.dtype} elements on {b.device}: the model "
+            "was converted, moved or resized (model.to(...), .cuda(), .half()) after the optimizer was built. Build "
+            "the optimizer after moving the model (as with DDP), or build a new one and load the old one's "
+            "state_dict().")
 
 
 def segments(b: Bucket, steps: List[int]) -> List[Segment]:

@@ -8,6 +8,7 @@ import torch
 
 from ..exchange.arrival import ranks_text
 from ..exchange.bounded import CollectiveMismatch
+from .buckets import adopt_storage
 
 log = logging.getLogger("decent_comm")
 
@@ -192,6 +193,8 @@ class ReplicaWatch:
     def _announce(self, what: str, sizes: List[int]):
         """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
         rank at another step never sends): every rank raises if they are not all at this utility and step."""
+        for b in self._buckets:  # the parameters a utility reads and writes are the buckets' (model.half() is not)
+            adopt_storage(b)
         announce(self._schedule.all_reduce, what, self._schedule.t, sizes)
 
     @property
