@@ -211,3 +211,23 @@ def test_atc_mix_hooks_run_before_a_modules_earlier_pre_hooks():
     hooked, reference = run_ranks(_pruned, 2, False, timeout=120), run_ranks(_pruned, 2, True, timeout=120)
     for a, b in zip(hooked, reference):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_model_with_mix_hooks_pickles_and_its_copy_is_inert():
+    """torch.save(model) under ATC raised "cannot pickle 'weakref.ReferenceType'" (the hooks are bound methods of
+    the optimizer's hook object); the copy's hooks now do nothing, and the original keeps mixing."""
+    import copy
+    import io
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.05, mode="atc", model=model)
+    x, y = batch(0, 0)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    opt.synchronize()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+        assert twin.state_dict().keys() == model.state_dict().keys()
+    opt.shutdown()

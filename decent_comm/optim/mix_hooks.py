@@ -63,20 +63,27 @@ class MixBeforeUse:
     def _hook(self, module, args):
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
+        schedule = self._schedule()
+        if schedule is None:  # the optimizer is gone, or this is a copy's hook (_Detached)
+            return
         ids = self._owned.get(module)
         if ids is None:
             ids = self._learn(module)
-        if ids:
-            schedule = self._schedule()
-            if schedule is not None and schedule.pending:
-                schedule.mix_pending(ids)
+        if ids and schedule.pending:
+            schedule.mix_pending(ids)
 
     def _state_dict_hook(self, module, prefix, keep_vars):
+        schedule = self._schedule()
+        if schedule is None:
+            return
         ids = self._owned.get(module)  # buckets deferred to this module's forward: none before it ran
-        if ids:
-            schedule = self._schedule()
-            if schedule is not None and schedule.pending:
-                schedule.mix_pending(ids)
+        if ids and schedule.pending:
+            schedule.mix_pending(ids)
+
+    def __reduce__(self):
+        # The hooks are bound methods of this object, held in the modules' hook dicts; pickling a module pickles
+        # them, and this object's weak references cannot be pickled ("cannot pickle 'weakref.ReferenceType'").
+        return _Detached, ()
 
     def deferrable(self) -> Set[int]:
         """Buckets whose every parameter is held by a module whose pre-hook will mix it before use."""
@@ -84,3 +91,13 @@ class MixBeforeUse:
 
     def remove(self):
         self._finalizer()
+
+
+class _Detached(MixBeforeUse):
+    """What the hook object becomes in a pickled or deep-copied module (torch.save(model), copy.deepcopy(model)):
+    the copy has no optimizer, so its hooks (MixBeforeUse's methods, bound to this) do nothing."""
+
+    _schedule = staticmethod(lambda: None)
+
+    def __init__(self):  # noqa: D107 - nothing to hold
+        pass
