@@ -24,7 +24,7 @@ from .. import ops
 from . import amp, diagnostics
 from .adaptation import sq_dist, sum_scalars
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
-                      segments, spread_count, written, zero_grads)
+                      check_unwritten, note_in_flight, segments, spread_count, written, zero_grads)
 from .checkpointing import StateDictMixin
 from .plan import Cadence, MixInputs
 from .schedule import MODES, GossipSchedule
@@ -180,13 +180,14 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._note_state()
             return None
         self._adopt_state_edits()
+        check_unwritten(self._buckets)
         loss, self._closure_loss = None, None
         self._closure = closure if self._closure_for_inner() else None
         if closure is not None and self._closure is None:
             with torch.enable_grad():
                 loss = closure()
         for b in self._buckets:
-            gather_grads(b, self._sparse_grads_ok)
+            gather_grads(b, self._sparse_grads_ok, before_copy=self._schedule.complete_transfers)
         found_inf = getattr(self, "found_inf", None)
         self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
         self._amp, skip_update = self._amp_for_step()
@@ -195,6 +196,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         else:
             self._step_atc(skip_update)
         written(self._buckets)
+        note_in_flight(self._buckets, self._schedule.sending_parameters())
         self._closure = None
         self._note_state()
         return loss if self._closure_loss is None else self._closure_loss

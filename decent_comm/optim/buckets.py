@@ -50,6 +50,8 @@ class Bucket:
     # tells user_edits.StateWatch to look again.
     published: List[Optional[dict]] = field(default_factory=list)
     published_names: frozenset = frozenset()  # the state buffers the published views cover
+    # The parameters' version counters while the flat buffer is on the wire (note_in_flight), else None.
+    versions: Optional[List[int]] = None
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
@@ -135,6 +137,33 @@ def written(buckets) -> None:
     increment_version([s.param for b in buckets for s in b.slots])
 
 
+def note_in_flight(buckets, sending) -> None:
+    """`sending`: the indices of the buckets whose flat buffers are on the wire now (sent without a copy): remember
+    their parameters' version counters, to tell a write by user code before the transfer completed
+    (check_unwritten). The others may be written."""
+    for b in buckets:
+        b.versions = [s.param._version for s in b.slots] if b.index in sending else None
+
+
+def note_landed(buckets) -> None:
+    """The buckets' transfers completed: the parameters may be written again."""
+    for b in buckets:
+        b.versions = None
+
+
+def check_unwritten(buckets) -> None:
+    """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
+    bucket was still being sent: a neighbour may have received a buffer part before, part after the write."""
+    for b in buckets:
+        if b.versions is not None and [s.param._version for s in b.slots] != b.versions:
+            i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
+            raise RuntimeError(
+                f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
+                "in place between steps while this rank was still sending it (the exchange sends the parameters "
+                "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
+                "before writing parameters between steps.")
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Its elements fill numel() consecutive places, each once, in some order of the dimensions (channels_last)."""
     expect = 1
@@ -171,7 +200,7 @@ class Segment:
     last: int
 
 
-def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
+def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Callable[[], None]] = None) -> None:
     """Makes the flat gradient buffer hold every parameter's current .grad.
 
     A .grad that is already our view costs nothing; one that user code replaced (or that autograd
@@ -179,7 +208,7 @@ def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
     gradient is densified when `sparse_ok` (the update is the same as from its dense form), else refused.
     A parameter whose storage is no longer its bucket's is taken back or refused first (adopt_storage).
     """
-    adopt_storage(b)
+    adopt_storage(b, before_copy)
     with torch.no_grad():
         for i, s in enumerate(b.slots):
             g = s.param.grad
@@ -202,16 +231,20 @@ def gather_grads(b: Bucket, sparse_ok: bool = False) -> None:
 
 
 @torch.no_grad()
-def adopt_storage(b: Bucket) -> None:
+def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None) -> None:
     """Parameters whose .data is no longer their view of the bucket. Same dtype, device and size: user code gave
     them new storage (p.data = t, vector_to_parameters, p.set_(t), model.to_empty()), and torch would train that:
     the values are copied into the view and .data points back at it. Another dtype, device or size (model.to(...),
-    .half(), .cuda()) is refused with what to do: the updates would go to a buffer the model no longer reads."""
+    .half(), .cuda()) is refused with what to do: the updates would go to a buffer the model no longer reads.
+    `before_copy`: called once before the first copy (to complete the bucket's transfers: the copy writes it)."""
     for i, s in enumerate(b.slots):
         p = s.param
         if p.dtype == b.dtype and p.device == b.device and p.numel() == s.numel:
             view = b.view(b.flat, s)
             if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
+                if before_copy is not None:
+                    before_copy()
+                    before_copy = None
                 view.copy_(p.detach())
                 p.data = view
             continue

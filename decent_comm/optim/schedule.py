@@ -28,7 +28,7 @@ from ..exchange.arrival import ranks_text
 from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
-from .buckets import written
+from .buckets import check_unwritten, note_landed, written
 from .diagnostics import DisagreementMeter
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
@@ -92,8 +92,8 @@ class GossipSchedule(ScheduleCheckpoint):
         # of waiting for the process group's own (gloo: 30 min).
         self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout),
                                            device=self.device) if world_size > 1 else None
-        self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite) \
-            if world_size > 1 else None
+        self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite,
+                                    cadence) if world_size > 1 else None
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
@@ -187,12 +187,9 @@ class GossipSchedule(ScheduleCheckpoint):
         if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
             self._complete_before_raising(plan)
             when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
+            when += self.warmup.culprits(made_by) if self.warmup else ""
             raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
-                               f"{when}{self._warmup_culprits(made_by)} (check_finite=True; steps count from 0)")
-
-    def _warmup_culprits(self, step: Optional[int]) -> str:
-        in_warmup = step is not None and self.warmup is not None and self.cadence.in_warmup(step)
-        return self.warmup.culprits(step) if in_warmup else ""
+                               f"{when} (check_finite=True; steps count from 0)")
 
     def _complete_before_raising(self, plan: MixPlan):
         """check_finite found this rank's buffers non-finite: lets the exchange just posted finish first. The
@@ -308,6 +305,7 @@ class GossipSchedule(ScheduleCheckpoint):
             return
         plan = self._mix_form(self.inflight)
         ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
+        check_unwritten([self.buckets[i] for i in ids])  # before the mix, which would hide a write while in flight
         if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
             self.begin_mix()
             self._fresh = False
@@ -317,6 +315,7 @@ class GossipSchedule(ScheduleCheckpoint):
             ops.gossip_mix_(b.flat, nbs, plan.self_weight, plan.weights, disagreement=self.meter.slot(b, 0), **wire)
             self.pending.discard(i)
         written([self.buckets[i] for i in ids])
+        note_landed([self.buckets[i] for i in ids])  # their transfers completed (mix_inputs waited)
         if ids and not self.pending:
             self.end_mix(plan)
 
@@ -326,10 +325,19 @@ class GossipSchedule(ScheduleCheckpoint):
 
     # ------------------------------------------------------------------------------------------ completion
 
+    def sending_parameters(self) -> set:
+        """The buckets whose flat buffer itself (no copy, no conversion) is on the wire: AWC all, ATC the pending."""
+        plan = self.inflight
+        if self.exchange is None or plan is None or plan.silent or self.wire is not None or self.cadence.delayed_mix:
+            return set()
+        ids = self.pending if self.mode == "atc" else {b.index for b in self.buckets}
+        return {i for i in ids if self.comm_dtype in (None, self.buckets[i].dtype)}
+
     def complete_transfers(self):
         """Blocks until every exchange in flight has completed (their data stays valid)."""
         if self.exchange is not None:
             self.exchange.synchronize()
+        note_landed(self.buckets)
 
     def synchronize(self):
         """ATC: applies the pending mix (the parameters are then exactly x^{t+1}); then completes transfers."""

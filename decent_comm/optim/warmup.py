@@ -13,9 +13,9 @@ from .tracing import traced
 
 
 class WarmupAverage:
-    def __init__(self, buckets, all_reduce, world_size: int, device: torch.device, check_finite: bool):
+    def __init__(self, buckets, all_reduce, world_size: int, device: torch.device, check_finite: bool, cadence):
         self.buckets, self.all_reduce, self.world_size = buckets, all_reduce, world_size
-        self.device, self.check_finite = device, check_finite
+        self.device, self.check_finite, self.cadence = device, check_finite, cadence
 
     @traced("warmup_allreduce")
     @torch.no_grad()
@@ -55,9 +55,11 @@ class WarmupAverage:
         if found_inf is not None:
             self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
-    def culprits(self, step: int) -> str:
-        """For check_finite's message after warm-up step `step`: the ranks whose own gradients were non-finite
-        (every rank's parameters are, once the average carried them)."""
+    def culprits(self, step: Optional[int]) -> str:
+        """For check_finite's message after step `step`, when a warm-up step: the ranks whose own gradients were
+        non-finite (every rank's parameters are, once the average carried them); "" otherwise."""
+        if step is None or not self.cadence.in_warmup(step):
+            return ""
         ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}")
         return (f", a warm-up step whose gradient average carried the non-finite gradients of {ranks_text(ranks)}"
                 if ranks else "")
