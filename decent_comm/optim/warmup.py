@@ -26,32 +26,29 @@ class WarmupAverage:
         DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
         gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
         every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient."""
-        present = [s.param.grad is not None for b in self.buckets for s in b.slots]
+        slots = [(b, s) for b in self.buckets for s in b.slots]
+        absent = [k for k, (_, s) in enumerate(slots) if s.param.grad is None]
         scaler = [found_inf.numel()] if found_inf is not None else []
         what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
-        announce(self.all_reduce, what, step, [len(present)] + [b.grad.numel() for b in self.buckets] + scaler)
+        announce(self.all_reduce, what, step, [len(slots)] + [b.grad.numel() for b in self.buckets] + scaler)
         if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
             self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (culprits())
-        used = torch.tensor(present, dtype=torch.float32, device=self.device)
+        used = torch.ones(len(slots), dtype=torch.float32, device=self.device)
+        if absent:
+            used[absent] = 0
         self.all_reduce(used, "the warm-up's count of the ranks that have each gradient")
-        missing = not all(present)  # else nothing to learn from the counts: no host read of them
-        k = 0
+        for k in absent:
+            b, s = slots[k]
+            b.view(b.grad, s).zero_()
         for b in self.buckets:
-            if missing:
-                for s in b.slots:
-                    if not present[k]:
-                        b.view(b.grad, s).zero_()
-                    k += 1
             self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
             b.grad.div_(self.world_size)
-        if missing:
+        if absent:  # else nothing to learn from the counts: no host read of them
             used_anywhere = (used > 0).tolist()
-            k = 0
-            for b in self.buckets:
-                for s in b.slots:
-                    if not present[k] and used_anywhere[k]:
-                        s.param.grad = b.view(b.grad, s)
-                    k += 1
+            for k in absent:
+                if used_anywhere[k]:
+                    b, s = slots[k]
+                    s.param.grad = b.view(b.grad, s)
         if found_inf is not None:
             self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
