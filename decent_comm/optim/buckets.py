@@ -142,7 +142,11 @@ def note_in_flight(buckets, sending) -> None:
     their parameters' version counters, to tell a write by user code before the transfer completed
     (check_unwritten). The others may be written."""
     for b in buckets:
-        b.versions = [s.param._version for s in b.slots] if b.index in sending else None
+        b.versions = _versions(b) if b.index in sending else None
+
+
+def _versions(b: Bucket) -> List[int]:
+    return [s.param._version for s in b.slots]
 
 
 def note_landed(buckets) -> None:
@@ -155,7 +159,7 @@ def check_unwritten(buckets) -> None:
     """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
     bucket was still being sent: a neighbour may have received a buffer part before, part after the write."""
     for b in buckets:
-        if b.versions is not None and [s.param._version for s in b.slots] != b.versions:
+        if b.versions is not None and _versions(b) != b.versions:
             i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
             raise RuntimeError(
                 f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
