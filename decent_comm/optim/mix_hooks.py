@@ -63,20 +63,18 @@ class MixBeforeUse:
     def _hook(self, module, args):
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
+        self._mix_for(module, learn=True)
+
+    def _state_dict_hook(self, module, prefix, keep_vars):
+        self._mix_for(module, learn=False)  # buckets deferred to this module's forward: none before it ran
+
+    def _mix_for(self, module, learn: bool):
         schedule = self._schedule()
         if schedule is None:  # the optimizer is gone, or this is a copy's hook (_Detached)
             return
         ids = self._owned.get(module)
-        if ids is None:
+        if ids is None and learn:
             ids = self._learn(module)
-        if ids and schedule.pending:
-            schedule.mix_pending(ids)
-
-    def _state_dict_hook(self, module, prefix, keep_vars):
-        schedule = self._schedule()
-        if schedule is None:
-            return
-        ids = self._owned.get(module)  # buckets deferred to this module's forward: none before it ran
         if ids and schedule.pending:
             schedule.mix_pending(ids)
 
