@@ -142,10 +142,12 @@ def test_near_one_coefficients_are_as_precise_as_torch_float32(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dsgd_momentum_switched_on_after_the_first_step_is_torchs(device):
-    """torch.optim.SGD starts the momentum buffer at the gradient the first time momentum is non-zero, keeps it in
-    opt.state and checkpoints it. Switched on at step 2 the buffer was never published (a checkpoint lost it) and
-    started at (1 - dampening) g."""
+@pytest.mark.parametrize("switch", [1, 2])
+def test_dsgd_momentum_switched_on_after_the_first_step_is_torchs(device, switch):
+    """torch.optim.SGD starts each parameter's momentum buffer at its gradient the first time it finds none, keeps it
+    in opt.state and checkpoints it. Switched on at step 2 the buffer was never published (a checkpoint lost it) and
+    started at (1 - dampening) g; at step 1, where run() gives the last parameter no gradient, that parameter's buffer
+    started at (1 - dampening) g one step later (its bucket had started it)."""
     m_ours, m_torch = make_model(device), make_model(device)
     ours = decent_comm.DSGD(m_ours.parameters(), lr=0.05, dampening=0.5)
     ref = torch.optim.SGD(m_torch.parameters(), lr=0.05, dampening=0.5)
@@ -155,15 +157,39 @@ def test_dsgd_momentum_switched_on_after_the_first_step_is_torchs(device):
         o.param_groups[0]["momentum"] = 0.9
 
     for model, opt, s in ((m_ours, ours, sched[0]), (m_torch, ref, sched[1])):
-        run(model, opt, device, 2, sched=s)
+        run(model, opt, device, switch, sched=s)
         switch_on(opt)
-        run(model, opt, device, 4, start=2, sched=s)
+        run(model, opt, device, 5, start=switch, sched=s)
     assert_params_close("DSGD", [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])
     saved = ours.state_dict()
     assert all("momentum_buffer" in st for st in saved["state"].values()), saved["state"]
     for p, q in zip(m_ours.parameters(), m_torch.parameters()):
         torch.testing.assert_close(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"].float(),
                                    rtol=2e-5, atol=2e-6)
+
+
+def test_dsgd_resume_right_after_momentum_switched_on_is_exact():
+    """A checkpoint taken at the switch, where one parameter had no gradient (its buffer has not started yet: its
+    step count restarted at 0), resumes the identical run."""
+    def train(resume_at):
+        model = make_model("cpu")
+        opt = decent_comm.DSGD(model.parameters(), lr=0.05, dampening=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+        run(model, opt, "cpu", 1, sched=sched)
+        opt.param_groups[0]["momentum"] = 0.9
+        run(model, opt, "cpu", resume_at, start=1, sched=sched)
+        if resume_at < 6:
+            saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+            assert [float(st["step"]) for st in saved_opt["state"].values()] == [1, 1, 1, 1, 0]
+            model = make_model("cpu")
+            model.load_state_dict(saved_model)
+            opt = decent_comm.DSGD(model.parameters(), lr=0.05, dampening=0.5, momentum=0.9)
+            opt.load_state_dict(saved_opt)
+            run(model, opt, "cpu", 6, start=resume_at, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(6), train(2)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,11 +218,11 @@ def test_channels_last_parameters_keep_their_layout_and_train_as_torch(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dsgd_momentum_switched_on_under_grad_scaler_trains_as_torch(device):
     """Under GradScaler the step counts live on the device and the kernel takes the first step from them: the switch
-    must not pass first_step (it did, and the op refused the step). With dampening 0 the buffer's start is g either
-    way, so the run equals torch.optim.SGD's under the same scaler."""
+    must not pass first_step (it did, and the op refused the step), and the buffer started at (1 - dampening) g. Here
+    one parameter gets no gradient at the switch, so its first step with momentum comes one step later."""
     m_ours, m_torch = make_model(device), make_model(device)
-    ours = decent_comm.DSGD(m_ours.parameters(), lr=0.05)
-    ref = torch.optim.SGD(m_torch.parameters(), lr=0.05)
+    ours = decent_comm.DSGD(m_ours.parameters(), lr=0.05, dampening=0.5)
+    ref = torch.optim.SGD(m_torch.parameters(), lr=0.05, dampening=0.5)
     for model, opt in ((m_ours, ours), (m_torch, ref)):
         scaler = torch.amp.GradScaler(device, init_scale=1024.0)
         for t in range(5):
@@ -206,6 +232,8 @@ def test_dsgd_momentum_switched_on_under_grad_scaler_trains_as_torch(device):
             x, y = torch.randn(9, 5, generator=g).to(device), torch.randn(9, 2, generator=g).to(device)
             opt.zero_grad()
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if t == 2:
+                list(model.parameters())[-1].grad = None
             scaler.step(opt)
             scaler.update()
     assert_params_close("DSGD", [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])

@@ -236,6 +236,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         """Names of the flat state buffers the fused kernel of this optimizer keeps for `group`."""
         raise NotImplementedError
 
+    def _prepare_bucket(self, b: Bucket, group: dict) -> None:
+        """Before a step updates bucket `b` (before it is split into segments by step count): class-specific set-up."""
+
     def _step_awc(self, skip_update: bool):
         s = self._schedule
         plan = s.awc_plan()
@@ -286,6 +289,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         them); the host passes no step."""
         group = self.param_groups[b.group_index]
         mixing = bool(neighbors) or self_weight != 1.0
+        if not skip_update:
+            self._prepare_bucket(b, group)
         on_device = b.classes is not None
         for k, seg in enumerate(segments(b, b.count_keys)):
             sl = slice(seg.start, seg.stop)

@@ -56,9 +56,6 @@ class Bucket:
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
     lanes_used: int = 0  # flat buffers allocated so far: the next one starts in the next page lane (flat_memory)
-    # DSGD: the optimizer step at which momentum was switched on after the first step (its buffer starts at g then,
-    # as torch's does when it first finds none), else None
-    momentum_started: Optional[int] = None
 
     @property
     def steps(self) -> List[int]:

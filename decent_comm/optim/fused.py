@@ -135,19 +135,23 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
+    def _prepare_bucket(self, b, group):
+        # The kernels start a parameter's momentum buffer at g (not (1 - dampening) g) on its step 0, as torch does the
+        # first time it finds no buffer. Momentum switched on after the first steps (or a checkpoint without buffers
+        # loaded): the step counts restart, so each parameter's first step with momentum is its step 0 again, on the
+        # host and in the kernels that keep the counts on the device alike. torch.optim.SGD keeps no step count; ours
+        # counts the steps since the buffer started.
+        if group["momentum"] != 0 and "momentum_buffer" not in b.state:
+            b.state_buffer("momentum_buffer")
+            b.step_count.zero_()
+            if b.classes is not None:
+                b.classes = [0] * len(b.slots)
+
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         momentum = group["momentum"]
-        buf, first = None, step == 0
-        if momentum != 0:
-            # Momentum switched on after the first step: torch starts the buffer at g, as at step 0. (Not with the
-            # step counts on the device, GradScaler's: the kernel takes the first step from the count alone, and the
-            # buffer starts at (1 - dampening) g there.)
-            if "momentum_buffer" not in b.state and step is not None and step > 0:
-                b.momentum_started = self._schedule.t
-            buf = b.state_buffer("momentum_buffer")[sl]
-            first = first or (step is not None and b.momentum_started == self._schedule.t)
+        buf = b.state["momentum_buffer"][sl] if momentum != 0 else None
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
-                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=first,
+                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0,
                      disagreement=disagreement, **op_kwargs)
 
 
