@@ -27,6 +27,19 @@ def test_from_matrix_list_cycles():
     assert T.from_matrix(np.stack(mats)).period == 3
 
 
+def test_from_matrix_inputs_that_cannot_be_weights_are_named():
+    third = np.full((3, 3), 1 / 3)
+    with pytest.raises(ValueError, match="given in float32.*give it in float64"):  # rows sum to 1 + 3e-8
+        T.from_matrix(third.astype(np.float32))
+    with pytest.raises(ValueError, match="complex"):  # np.asarray(..., float64) dropped the imaginary parts
+        T.from_matrix(third + 1j * np.eye(3))
+    with pytest.raises(ValueError, match="must be 3 x 3 like step 0"):  # an object array: an AttributeError
+        T.from_matrix(np.array([third, [[1.0]]], dtype=object))
+    with pytest.raises(ValueError, match="cannot read as numbers"):
+        T.from_matrix({"W": third})
+    assert T.from_matrix(np.array([third, third], dtype=object)).period == 2
+
+
 def test_from_networkx():
     nx = pytest.importorskip("networkx")
     topo = T.from_networkx(nx.cycle_graph(7))

@@ -76,7 +76,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                                  "update of the next gossip round (ATC mixes before the next forward, which a delay "
                                  "defeats)")
             self._check_group_options(self.param_groups)
-            topology = resolve_topology(topology, self.world_size)
+            topology = resolve_topology(topology, self.world_size, process_group)
             self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
             self._ddp_guard = DDPGuard(self, self._buckets, model)
             if self.world_size > 1:

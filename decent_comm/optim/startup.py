@@ -3,6 +3,8 @@
 start-up checks that every rank holds the same replica and configuration."""
 
 import datetime
+import itertools
+import logging
 import math
 import os
 import pickle
@@ -18,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import topology as topo_mod
 from ..exchange.arrival import ExchangeTimeout, ranks_text, timeout_s, wait_for_ranks
 from ..exchange.roster import swap
+
+log = logging.getLogger(__name__)
 
 
 def distributed_context(process_group):
@@ -48,6 +52,10 @@ def usable_timeout(timeout):
     return timeout
 
 
+#: the wire dtypes the mix kernels read (float8 ones they do not)
+WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8)
+
+
 def check_options(*, timeout, comm_dtype, model=None):
     """Options that are only used once there are peers, checked at any world size (a script that works on one
     rank must not fail on the first multi-rank run)."""
@@ -59,16 +67,19 @@ def check_options(*, timeout, comm_dtype, model=None):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
                 or seconds <= 0:
             raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and
-                                       (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
-        raise ValueError(f"comm_dtype must be None, a floating-point torch.dtype (e.g. torch.bfloat16) or torch.int8 "
-                         f"(the 8-bit wire with error feedback), got {comm_dtype!r}")
+    if comm_dtype is not None and comm_dtype not in WIRE_DTYPES:
+        raise ValueError(f"comm_dtype must be None, torch.float32, torch.float64, torch.bfloat16, torch.float16 or "
+                         f"torch.int8 (the 8-bit wire with error feedback), got {comm_dtype!r}")
 
 
-def local_world_size_from_env(world_size: int):
-    """Ranks per node from torchrun's LOCAL_WORLD_SIZE, else None (one node). The one place the optimizers
-    read the environment; the topology layer takes the value as an argument (and says when it does not
-    divide `world_size`)."""
+def local_world_size_from_env(process_group=None):
+    """Ranks per node of the group's ranks, from torchrun's LOCAL_WORLD_SIZE, else None (one node). The one place
+    the optimizers read the environment; the topology layer takes the value as an argument.
+
+    torchrun puts global rank r on node r // LOCAL_WORLD_SIZE. The group's ranks lie on those nodes in runs: equal
+    runs of consecutive group ranks, one per node, give the group's ranks per node; any other layout (a subgroup of
+    3 ranks of 2 nodes of 2, a last node with fewer ranks) counts every rank as its own node, so each link is taken
+    for a node link."""
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if not env:
         return None
@@ -76,29 +87,41 @@ def local_world_size_from_env(world_size: int):
         value = int(env)
     except ValueError:
         raise ValueError(f"LOCAL_WORLD_SIZE={env!r} (environment) is not an integer") from None
-    return value
+    if not (dist.is_available() and dist.is_initialized()) or value < 1:
+        return value
+    members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    nodes = [r // value for r in members]
+    runs = [len(list(run)) for _, run in itertools.groupby(nodes)]
+    if len(set(runs)) == 1 and len(runs) == len(set(nodes)):
+        return runs[0]
+    log.info("decent_comm: the process group's ranks (global ranks %s) lie on nodes %s of LOCAL_WORLD_SIZE=%d ranks "
+             "in no regular layout: every rank counts as its own node", members, nodes, value)
+    return 1
 
 
-def resolve_topology(topology, world_size: int):
+def resolve_topology(topology, world_size: int, process_group=None):
     """A Topology from a built-in name (or adaptive spec), a Topology, or a matrix / list of matrices. An
-    ``Adaptive`` is bound to a fresh copy (its own decision history) for this optimizer."""
+    ``Adaptive`` is bound to a fresh copy (its own decision history) for this optimizer. A Topology built by the
+    caller is validated here (make and from_matrix validate theirs): a schedule that is not doubly stochastic would
+    move the replicas' mean, silently."""
     if isinstance(topology, str):
-        topology = topo_mod.make(topology, world_size, local_world_size_from_env(world_size))
+        topology = topo_mod.make(topology, world_size, local_world_size_from_env(process_group))
     if isinstance(topology, topo_mod.Adaptive):
         # Each optimizer drives its own copy: the decisions taken are state of this training run.
         if topology.bound and topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
                              f"has {world_size}")
-        return topology.bind(world_size, local_world_size_from_env(world_size))
+        return topology.bind(world_size, local_world_size_from_env(process_group))
     if isinstance(topology, topo_mod.Topology):
         if topology.world_size != world_size:
             raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks but the process group "
                              f"has {world_size}")
-        return topology
+        return topology.validate()
     if isinstance(topology, (np.ndarray, torch.Tensor, list, tuple)):
         mats = topology
-        if isinstance(mats, torch.Tensor):
-            mats = mats.detach().cpu().double().numpy()
+        if isinstance(mats, torch.Tensor):  # float32 stays float32, for from_matrix's message on its rounding
+            mats = mats.detach().cpu()
+            mats = mats.numpy() if mats.dtype in (torch.float32, torch.float64) else mats.double().numpy()
         t = topo_mod.from_matrix(mats)
         if t.world_size != world_size:
             raise ValueError(f"the mixing matrix is {t.world_size}x{t.world_size} but the process group has "
@@ -125,6 +148,10 @@ def _plain(value):
     return repr(value)
 
 
+#: the steps at which a consensus callable's values are compared across the ranks
+_CONSENSUS_COMPARED_AT = (*range(64), 100, 1_000, 10_000, 100_000, 1_000_000)
+
+
 def replica_config(buckets, topology, param_groups, model=None, **options) -> dict:
     """Everything every rank must agree on, in the order a mismatch is reported: what shapes the bytes on the
     wire (parameters, bucket layout, wire dtype, exchange), and what changes the math (optimizer and its
@@ -138,11 +165,15 @@ def replica_config(buckets, topology, param_groups, model=None, **options) -> di
                             + ((f"strides {s.stride}",) if s.stride is not None else ())  # the flat layout
                             for b in buckets for s in b.slots]}
     config.update({name: _plain(value) for name, value in options.items()})
+    consensus = options.get("consensus")
+    if callable(consensus) and not hasattr(consensus, "factor"):
+        # a function's behaviour is compared where it can be: its values at the steps of a run's start and beyond
+        config["consensus"] = [config["consensus"], [float(consensus(t)) for t in _CONSENSUS_COMPARED_AT]]
     config["topology fingerprint"] = topology.fingerprint()
-    config["bucket"] = [(b.numel, str(b.dtype), b.device.type) for b in buckets]  # follows from the above
     # not "decentralized": where a schedule stands (per rank), left in a group dict reused from another optimizer
     config["param group"] = [_plain({k: v for k, v in g.items() if k not in ("params", "decentralized")})
                              for g in param_groups]
+    config["bucket"] = [(b.numel, str(b.dtype), b.device.type) for b in buckets]  # follows from the above
     return config
 
 
@@ -151,6 +182,12 @@ _REFUSED = "refused"
 
 
 def _difference(name, mine, ref) -> str:
+    if name == "consensus" and _is_sampled(mine) and _is_sampled(ref):
+        t = next((t for t, a, b in zip(_CONSENSUS_COMPARED_AT, mine[1], ref[1]) if a != b), None)
+        if t is not None:
+            return (f"consensus factor at step {t} is {mine[1][_CONSENSUS_COMPARED_AT.index(t)]!r} ({mine[0]}) but on "
+                    f"rank 0 it is {ref[1][_CONSENSUS_COMPARED_AT.index(t)]!r} ({ref[0]})")
+        return f"consensus is a {mine[0]} but on rank 0 a {ref[0]}"
     if isinstance(mine, list) and isinstance(ref, list):
         if len(mine) != len(ref):
             return f"{len(mine)} {name}s but rank 0 has {len(ref)}"
@@ -163,6 +200,11 @@ def _difference(name, mine, ref) -> str:
         return (f"topology fingerprint {mine} differs from rank 0's {ref} (another topology or options, or a node "
                 "layout it depends on: torchrun's LOCAL_WORLD_SIZE differs between the ranks)")
     return f"{name} is {mine!r} but on rank 0 it is {ref!r}"
+
+
+def _is_sampled(value) -> bool:
+    """A consensus callable as replica_config compares it: [its name, its values at _CONSENSUS_COMPARED_AT]."""
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)
 
 
 def verify_replicas(config: Optional[dict], process_group, world_size: int, timeout=None,

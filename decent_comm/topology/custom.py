@@ -32,33 +32,66 @@ class MatrixTopology(Topology):
 
 def _as_matrix_list(W) -> list:
     """A 2-D array-like is one (static) matrix; a 3-D one or a list of 2-D ones is a schedule."""
+    if _complex(W):
+        raise ValueError("from_matrix: the mixing matrix is complex; gossip weights are real numbers")
     try:
         arr = np.asarray(W, dtype=np.float64)
     except (TypeError, ValueError):
-        arr = None  # ragged: a list of matrices of different shapes
+        arr = None  # ragged: a list (or object array) of matrices of different shapes
     if arr is not None and arr.ndim == 2:
         return [arr]
     if arr is not None and arr.ndim == 3:
         return list(arr)
-    if arr is None and isinstance(W, (list, tuple)):
+    if arr is None and (isinstance(W, (list, tuple)) or (isinstance(W, np.ndarray) and W.ndim == 1)):
         return list(W)
-    raise ValueError(f"from_matrix expects an n x n matrix or a list of them, got an array of shape {arr.shape}")
+    what = f"an array of shape {arr.shape}" if arr is not None else f"a {type(W).__name__} it cannot read as numbers"
+    raise ValueError(f"from_matrix expects an n x n matrix or a list of them, got {what}")
+
+
+def _complex(W) -> bool:
+    """Whether `W` (a matrix, a list of them, possibly ragged) holds complex numbers, which float64 would truncate."""
+    ragged = isinstance(W, (list, tuple)) or (isinstance(W, np.ndarray) and W.dtype == object)
+    for part in (W if ragged else [W]):
+        try:
+            if np.iscomplexobj(part):
+                return True
+        except ValueError:  # a ragged part: its own matrices are checked where they are read
+            pass
+    return False
+
+
+def _low_precision(W):
+    """The dtype of `W` (or of its first matrix) when it is a floating dtype narrower than float64, else None."""
+    first = W[0] if isinstance(W, (list, tuple)) and W else W
+    dtype = getattr(first, "dtype", None)
+    if dtype is None or str(dtype).replace("torch.", "") in ("float64", "object") or "int" in str(dtype):
+        return None
+    return str(dtype).replace("torch.", "")
 
 
 def from_matrix(W, *, allow_biased: bool = False, allow_disconnected: bool = False,
                 local_world_size: int | None = None, name: str = "custom") -> Topology:
     """Topology from ``W`` (n x n: static, period 1) or ``[W0, W1, ...]`` (cycled, period = length).
 
-    Each ``W(t)`` must be square, finite, non-negative (entries down to
+    Each ``W(t)`` must be square, finite, real, non-negative (entries down to
     ``-TOL`` are round-off and become 0), row-stochastic and, unless
     ``allow_biased=True``, column-stochastic; else ``ValueError`` naming the
     step and row/column.  The schedule must average (``check_averages``: e.g.
     the identity or a block-diagonal ``W`` never do) unless
     ``allow_disconnected=True``.  ``local_world_size``: ranks per node
-    (``None``: one node).
+    (``None``: one node).  Give the weights in float64: float32 rounds 1/3 so
+    that a row sums to 1 + 3e-8, which the checks refuse (the replicas' mean
+    would drift by that much every step).
     """
-    return MatrixTopology(_as_matrix_list(W), allow_biased=allow_biased, allow_disconnected=allow_disconnected,
-                          local_world_size=local_world_size, name=name)
+    try:
+        return MatrixTopology(_as_matrix_list(W), allow_biased=allow_biased, allow_disconnected=allow_disconnected,
+                              local_world_size=local_world_size, name=name)
+    except ValueError as e:
+        narrow = _low_precision(W)
+        if narrow is None or "sums to" not in str(e):
+            raise
+        raise ValueError(f"{e} (the matrix was given in {narrow}, whose rounding of weights such as 1/3 breaks the "
+                         "sums: give it in float64, e.g. torch.tensor(W, dtype=torch.float64))") from None
 
 
 def metropolis_hastings(G) -> np.ndarray:
