@@ -38,9 +38,49 @@ def test_sparse_gradients_dsgd_equals_torch_sgd_adam_refuses():
         opt.step()
 
 
+@pytest.mark.parametrize("inner", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                   lambda ps: torch.optim.Adagrad(ps, lr=0.1)])
+def test_sparse_gradients_decentralized_sgd_and_adagrad_equal_torch_the_others_refuse(inner):
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Embedding(10, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt, ropt = decent_comm.Decentralized(inner(emb.parameters())), inner(ref.parameters())
+    for idx in ([1, 2, 2, 5], [0, 5], [9]):
+        for mod, o in ((emb, opt), (ref, ropt)):
+            o.zero_grad()
+            mod(torch.tensor(idx)).pow(2).sum().backward()
+            o.step()
+    torch.testing.assert_close(emb.weight, ref.weight)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = decent_comm.Decentralized(torch.optim.AdamW(emb.parameters()))  # densified, it stepped where torch raises
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    with pytest.raises(ValueError, match="SparseAdam"):  # it raised torch's "does not support dense gradients"
+        decent_comm.Decentralized(torch.optim.SparseAdam(emb.parameters()))
+
+
+@pytest.mark.parametrize("ctor", [decent_comm.DSGD, decent_comm.DAdamW,
+                                  lambda ps: decent_comm.Decentralized(torch.optim.SGD(ps, lr=0.1))])
+def test_parameters_that_share_memory_are_refused(ctor):
+    """torch.optim updates memory two Parameters share through both; each would get its own flat slot here, and the
+    shared tensor was silently left behind (p1 -0.3, p2 -0.6 where torch gives -0.9 to both)."""
+    base = torch.arange(6.0)
+    with pytest.raises(ValueError, match=r"parameters 0 and 1 \(shapes \(6,\) and \(2, 3\)\) share memory"):
+        ctor([torch.nn.Parameter(base), torch.nn.Parameter(base.view(2, 3))])
+    with pytest.raises(ValueError, match=r"parameters 0 and 2 .*share memory"):
+        ctor([torch.nn.Parameter(base[2:]), torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(base[:3])])
+    with pytest.raises(ValueError, match="parameter 0 .*more than once"):  # torch refuses the in-place write
+        ctor([torch.nn.Parameter(torch.zeros(1, 3).expand(4, 3))])
+    lin = torch.nn.Linear(3, 3)
+    halves = [torch.nn.Parameter(base[:3]), torch.nn.Parameter(base[3:])]  # views that do not overlap are fine
+    ctor(list(lin.parameters()) + halves)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(timeout=-5), "timeout"), (dict(timeout=float("nan")), "timeout"), (dict(timeout="1"), "timeout"),
     (dict(comm_dtype=torch.int32), "comm_dtype"), (dict(comm_dtype="bf16"), "comm_dtype"),
+    (dict(comm_dtype=torch.float8_e4m3fn), "comm_dtype"),  # refused by the kernels at the first multi-rank step
     (dict(bucket_cap_mb=float("nan")), "bucket_cap_mb"), (dict(bucket_cap_mb=0), "bucket_cap_mb"),
     (dict(mode="adapt"), "mode"), (dict(exchange="allreduce"), "exchange"),
 ])
@@ -145,9 +185,10 @@ def test_decentralized_hooks_and_lbfgs_closure():
 
 def _build_with(rank, n, option):
     model = torch.nn.Linear(64, 32)
-    ctor, kw = OPTION_MISMATCHES[option](rank)
+    ctor, kw, *groups_of = OPTION_MISMATCHES[option](rank)
+    params = groups_of[0](model) if groups_of else model.parameters()
     try:
-        opt = ctor(model.parameters(), topology="ring", timeout=20, **kw)
+        opt = ctor(params, topology="ring", timeout=20, **kw)
     except RuntimeError as exc:
         return str(exc)
     opt.shutdown()
@@ -163,6 +204,11 @@ OPTION_MISMATCHES = {
     "consensus": lambda r: (decent_comm.DAdamW, dict(consensus=1.0 if r == 0 else 0.5)),
     "optimizer": lambda r: (decent_comm.DAdamW if r == 0 else decent_comm.DAdam, {}),
     "param group": lambda r: (decent_comm.AccumAdamW, dict(accum_steps=4 if r == 0 else 2)),
+    # named as param groups, not as the buckets they split into
+    "param group count": lambda r: (decent_comm.DAdamW, {}, lambda m: [{"params": [m.weight]}, {"params": [m.bias]}]
+                                    if r == 1 else m.parameters()),
+    # a callable is compared by its values (its name alone agreed here, and the replicas' mean drifted)
+    "consensus callable": lambda r: (decent_comm.DAdamW, dict(consensus=lambda t: 1.0 if r == 0 or t < 5 else 0.3)),
 }
 
 
@@ -171,6 +217,10 @@ def test_options_that_differ_between_ranks_are_named_on_every_rank(option):
     msgs = run_ranks(_build_with, 3, option, timeout=120)
     for m in msgs:
         assert "rank 1" in m and option.split()[0] in m, (option, m)
+    if option == "param group count":
+        assert all("rank 1: 2 param groups but rank 0 has 1" in m for m in msgs), msgs
+    if option == "consensus callable":
+        assert all("consensus factor at step 5 is 0.3" in m for m in msgs), msgs
 
 
 def _parameters_in_another_order(rank, n, give_model):
@@ -212,11 +262,19 @@ def test_parameters_of_equal_shapes_in_another_order_are_named_when_the_model_is
     assert run_ranks(_parameters_in_another_order, 3, False, timeout=120) == ["no error"] * 3  # nothing tells
 
 
+class _RowsSumTo1_2(decent_comm.topology.Topology):
+    """A user-built schedule validate() refuses: trained, it moved the replicas' mean (29 in 20 steps at lr 0)."""
+
+    def peers(self, rank, step):
+        return decent_comm.topology.Peers(0.5, [((rank + 1) % self.world_size, 0.7)], [(rank - 1) % self.world_size])
+
+
 ONE_RANK_REFUSES = {  # rank 1's options fail its own checks; the others' are valid
     "mode": (dict(mode="AWC"), "mode must be one of"),
     "delayed_mix": (dict(mode="atc", delayed_mix=True), "delayed_mix=True needs mode='awc'"),
     "topology": (dict(topology="one-peer-hypercube"), "one-peer-hypercube"),  # needs a power of 2 ranks
     "timeout": (dict(timeout=-1), "timeout must be a positive number"),
+    "Topology object": (dict(topology=_RowsSumTo1_2(3)), "sum to 1.2, not 1"),
 }
 
 
@@ -358,6 +416,29 @@ def test_nodes_of_different_sizes_agree_on_a_topology_that_ignores_the_layout():
     assert run_ranks(_nodes_of_different_sizes, 4, "ring", timeout=120) == ["trained"] * 4
     for m in run_ranks(_nodes_of_different_sizes, 4, "aer", timeout=120):  # aer's schedule follows the nodes
         assert "topology fingerprint" in m and "rank 2" in m, m
+
+
+def _subgroup_layout(rank, n, members, topology):
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # torchrun on 2 nodes of 2: nodes {0, 1} and {2, 3}
+    group = dist.new_group(members)
+    if rank not in members:
+        return None
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology=topology, process_group=group, timeout=20)
+    train_steps(rank, model, opt, 2)
+    opt.shutdown()
+    return opt.topology.local_world_size
+
+
+@pytest.mark.parametrize("members, topology, ranks_per_node", [
+    ([0, 1, 3], "ring", 1),   # 2 + 1 members: no regular layout (3 was refused: LOCAL_WORLD_SIZE=2 does not divide 3)
+    ([0, 2], "aer", 1),       # one member on each node (was taken for one node of 2)
+    ([1, 3], "ring", 1),
+    ([2, 3], "aer", 2),       # both on node 1
+])
+def test_a_subgroup_takes_its_members_node_layout(members, topology, ranks_per_node):
+    out = run_ranks(_subgroup_layout, 4, members, topology, timeout=120)
+    assert [out[r] for r in members] == [ranks_per_node] * len(members), out
 
 
 def _load_other_ranks_state(rank, n):

@@ -21,12 +21,19 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     Param groups, lr schedulers (pass this object or the inner one) and state_dict work as usual.
     """
 
-    _sparse_grads_ok = True  # the wrapped optimizer sees the dense gradient views
+    # The wrapped optimizer sees dense gradient views: a sparse gradient densified gives torch's update for the
+    # optimizers that take sparse gradients (SGD, Adagrad: a zero row changes nothing but what decays anyway);
+    # the others refuse sparse gradients in torch, and here too.
+    _sparse_grads_ok = property(lambda self: isinstance(self.inner, (torch.optim.SGD, torch.optim.Adagrad)))
     _correction_for_stateless_params = False  # torch.optim initializes a parameter's state only when it is empty
 
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if isinstance(inner, torch.optim.SparseAdam):
+            raise ValueError("Decentralized cannot wrap torch.optim.SparseAdam: it takes sparse gradients only, and the "
+                             "flat buckets hold every gradient dense; wrap torch.optim.Adam, or use DSGD / "
+                             "Decentralized(torch.optim.SGD), which take sparse gradients")
         opts = _split_options(decentralized)
         self.inner = inner
         self.defaults = inner.defaults
