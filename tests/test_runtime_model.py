@@ -333,6 +333,11 @@ def _decentdp_aer(N, L):
     return T.from_matrix([intra, pair], local_world_size=L, name="aer-groups")
 
 
+def test_workload_compute_must_be_a_compute_time():
+    with pytest.raises(TypeError, match=r"ComputeTime\(0.12\)"):  # predict() raised AttributeError
+        Workload(params=65e6, compute=0.12)
+
+
 def test_group_allreduce_exchange():
     c = cluster(nodes=2, L=4)
     topo = _decentdp_aer(2, 4)
@@ -340,9 +345,9 @@ def test_group_allreduce_exchange():
     assert len(step_groups(topo, 0)) == 2
     assert step_groups(make_topology("exp", 8, 4), 0) is None
     w = work(mu=0.01, exchange="group-allreduce")
-    B = w.bytes_per_rank
-    intra = 2 * 3 / 4 * B / c.intra_bandwidth + 2 * 3 * c.intra_latency
-    inter = intra + B / c.inter_bandwidth + 2 * c.inter_latency
+    B, k = w.bytes_per_rank, w.buckets  # an all-reduce per bucket: the latency is paid k = 10 times
+    intra = 2 * 3 / 4 * B / c.intra_bandwidth + k * 2 * 3 * c.intra_latency
+    inter = intra + B / c.inter_bandwidth + k * 2 * c.inter_latency
     p = predict(c, w, topo)
     assert p.step_seconds == pytest.approx((max(0.01, intra) + max(0.01, inter)) / 2)
     assert simulate(c, w, topo, steps=40, warmup=4).step_seconds == pytest.approx(p.step_seconds, rel=1e-6)
@@ -353,6 +358,16 @@ def test_group_allreduce_exchange():
     # ... but not the pairs of one-peer-ring (groups of 2 stay point to point)
     ring = make_topology("one-peer-ring", 8, 4)
     assert predict(c, work(mu=0.01), ring).step_seconds == predict(c, work(mu=0.01, exchange="p2p"), ring).step_seconds
+
+
+@pytest.mark.parametrize("nodes", [4, 64])
+def test_a_group_of_all_ranks_costs_what_all_reduce_does(nodes):
+    """complete as one group all-reduce per bucket is ring all-reduce: the same bytes and latency terms (its latency
+    was charged once per step, not per bucket: 5.8x cheaper than all-reduce at 4096 nodes)."""
+    c, w = cluster(nodes=nodes, L=1, lat_e=50e-6), work(mu=1e-3, exchange="group-allreduce")
+    assert w.buckets == 10
+    step = schedule_comm(c, w, make_topology("complete", nodes, 1))[0]
+    assert step.seconds == pytest.approx(allreduce_cost(c, w).comm_seconds, rel=1e-12)
 
 
 def test_simulator_is_fast_enough():

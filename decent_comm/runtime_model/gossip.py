@@ -20,11 +20,14 @@ how the seed library Decent-DP runs a step whose ``W`` is uniform averaging
 over groups): each group ``g`` spanning ``N_g`` nodes with ``L_g`` of its
 ranks per node runs one hierarchical all-reduce (``allreduce.py``)::
 
-    c_g = 2 (L_g-1)/L_g * B / bw_a + 2 (L_g-1) a_a
-        + [N_g > 1] (2 (N_g-1)/N_g * B * q_g / bw_e + 2 (N_g-1) a_e)
+    c_g = 2 (L_g-1)/L_g * B / bw_a + k 2 (L_g-1) a_a
+        + [N_g > 1] (2 (N_g-1)/N_g * B * q_g / bw_e + k 2 (N_g-1) a_e)
 
 with ``q_g`` the number of multi-node groups sharing the busiest NIC of
-``g``; every member waits for it: ``D_i(t) = c_g``.  Other steps stay
+``g`` and ``k`` the workload's buckets (one all-reduce per bucket, its
+latency paid per bucket, as ``allreduce.py`` charges ring all-reduce: a
+group of all ranks costs what all-reduce does); every member waits for it:
+``D_i(t) = c_g``.  Other steps stay
 point-to-point.
 
 **Step time.**  Rank ``i`` needs ``(1 - f) mu + max(f mu, D_i(t))`` at step
@@ -128,8 +131,9 @@ class GroupCosts:
     node: np.ndarray
 
 
-def group_costs(cluster, B: float, members, sizes) -> GroupCosts:
-    """``GroupCosts`` of the groups ``(members, sizes)`` of one step (singletons dropped)."""
+def group_costs(cluster, B: float, members, sizes, buckets: int = 1) -> GroupCosts:
+    """``GroupCosts`` of the groups ``(members, sizes)`` of one step (singletons dropped); ``buckets``: the
+    all-reduces per group, each paying the latency terms."""
     L, N = cluster.ranks_per_node, cluster.nodes
     node_bw = np.asarray(cluster.node_bandwidths(), dtype=np.float64)
     gid = np.repeat(np.arange(sizes.size), sizes)
@@ -149,10 +153,10 @@ def group_costs(cluster, B: float, members, sizes) -> GroupCosts:
     bw = np.full(G, np.inf)
     np.minimum.at(bw, kg, node_bw[ku])
     port = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth
-    cost = port + 2.0 * (Lg - 1) * cluster.intra_latency
+    cost = port + buckets * 2.0 * (Lg - 1) * cluster.intra_latency
     with np.errstate(invalid="ignore", divide="ignore"):
         nic = np.where(multi, 2.0 * (Ng - 1) / Ng * B * q / bw, 0.0)
-    cost = np.where(multi, cost + (nic + 2.0 * (Ng - 1) * cluster.inter_latency), cost)
+    cost = np.where(multi, cost + (nic + buckets * 2.0 * (Ng - 1) * cluster.inter_latency), cost)
     return GroupCosts(members, sizes, np.cumsum(sizes) - sizes, cost, nic, port, multi, bw, kg, ku)
 
 
@@ -185,9 +189,9 @@ def workload_step_groups(workload, topology, step):
     return groups
 
 
-def _group_step(cluster, B: float, step: int, groups, indeg: int) -> StepComm:
+def _group_step(cluster, B: float, step: int, groups, indeg: int, buckets: int) -> StepComm:
     n, N = cluster.world_size, cluster.nodes
-    gc = group_costs(cluster, B, *groups)
+    gc = group_costs(cluster, B, *groups, buckets)
     gid = np.repeat(np.arange(gc.sizes.size), gc.sizes)
     D, port, nic = np.zeros(n), np.zeros(n), np.zeros(N)
     D[gc.members] = gc.cost[gid]
@@ -242,7 +246,7 @@ def schedule_comm(cluster, workload, topology) -> list:
         if groups is None:
             out.append(_p2p_step(cluster, B, table.message_links))
         else:
-            out.append(_group_step(cluster, B, table.step, groups, table.links.max_indegree))
+            out.append(_group_step(cluster, B, table.step, groups, table.links.max_indegree, workload.buckets))
     return out
 
 

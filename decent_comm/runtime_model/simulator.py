@@ -218,8 +218,8 @@ def _serve(plan: _StepPlan, start_rank: np.ndarray, free_at: np.ndarray) -> np.n
     return flow_fin + plan.lat
 
 
-def _plan_group_step(cluster, B: float, groups) -> _GroupPlan | None:
-    gc = group_costs(cluster, B, *groups)
+def _plan_group_step(cluster, B: float, groups, buckets: int) -> _GroupPlan | None:
+    gc = group_costs(cluster, B, *groups, buckets)
     if not gc.sizes.size:
         return None
     return _GroupPlan(gc.members, gc.starts, gc.cost, gc.sizes)
@@ -240,7 +240,7 @@ def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, se
     for table in schedule_of(topology).steps:
         groups = workload_step_groups(workload, topology, table.step)
         plans.append(_plan_step(table.message_links, cluster, B) if groups is None
-                     else _plan_group_step(cluster, B, groups))
+                     else _plan_group_step(cluster, B, groups, workload.buckets))
     f = workload.overlap_fraction
     N, L = cluster.nodes, cluster.ranks_per_node
     n_res = 2 * N + (n * L if cluster.intra_sharing == "pair" else 2 * n)

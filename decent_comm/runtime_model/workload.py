@@ -111,6 +111,9 @@ class Workload:
     def __post_init__(self):
         if not (math.isfinite(self.params) and self.params >= 0):
             raise ValueError(f"params must be >= 0, got {self.params!r}")
+        if not isinstance(self.compute, ComputeTime):  # a bare number failed later, inside predict()
+            raise TypeError(f"compute must be a ComputeTime (e.g. ComputeTime({self.compute!r}) for a fixed "
+                            f"{self.compute!r} s per step), got {type(self.compute).__name__}")
         if self.bytes_per_param <= 0:
             raise ValueError(f"bytes_per_param must be > 0, got {self.bytes_per_param!r}")
         if self.mode not in MODES:
