@@ -80,7 +80,8 @@ def test_parameters_that_share_memory_are_refused(ctor):
 @pytest.mark.parametrize("bad, match", [
     (dict(timeout=-5), "timeout"), (dict(timeout=float("nan")), "timeout"), (dict(timeout="1"), "timeout"),
     (dict(comm_dtype=torch.int32), "comm_dtype"), (dict(comm_dtype="bf16"), "comm_dtype"),
-    (dict(comm_dtype=torch.float8_e4m3fn), "comm_dtype"),  # refused by the kernels at the first multi-rank step
+    (dict(comm_dtype=torch.float8_e4m3fn), "comm_dtype"),
+    (dict(betas=(0.9,)), "betas must be a pair"),  # the first step failed to unpack them  # refused by the kernels at the first multi-rank step
     (dict(bucket_cap_mb=float("nan")), "bucket_cap_mb"), (dict(bucket_cap_mb=0), "bucket_cap_mb"),
     (dict(mode="adapt"), "mode"), (dict(exchange="allreduce"), "exchange"),
 ])
@@ -439,6 +440,33 @@ def _subgroup_layout(rank, n, members, topology):
 def test_a_subgroup_takes_its_members_node_layout(members, topology, ranks_per_node):
     out = run_ranks(_subgroup_layout, 4, members, topology, timeout=120)
     assert [out[r] for r in members] == [ranks_per_node] * len(members), out
+
+
+def _subgroup_misbehaves(rank, n, case):
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    model = make_model(rank)
+    try:
+        opt = decent_comm.DSGD(model.parameters(), lr=0.2 if case == "lr" and rank == 3 else 0.1, topology="ring",
+                               process_group=group, timeout=5)
+        if case == "dies" and rank == 3:
+            exit_now("exited")
+        train_steps(rank, model, opt, 3)
+        opt.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["lr", "dies"])
+def test_errors_on_a_subgroup_say_which_global_ranks_they_name(case):
+    """On the group of global ranks [1, 2, 3], global rank 3 is group rank 2, which the messages name: they also say
+    so (a reader took "rank 2" for global rank 2)."""
+    out = run_ranks(_subgroup_misbehaves, 4, case, timeout=120)
+    for msg in out[1:3] + (out[3:] if case == "lr" else []):
+        assert "rank 2" in msg and msg.endswith("[ranks of the process group: its ranks 0..2 are global ranks "
+                                                "[1, 2, 3]]"), msg
 
 
 def _load_other_ranks_state(rank, n):

@@ -56,6 +56,22 @@ def timeout_s(group, timeout: Optional[float]) -> float:
     return group_timeout_s(group) if timeout is None else float(timeout)
 
 
+def in_global_ranks(exc: BaseException, group) -> BaseException:
+    """`exc`, its message extended (in place) to say which global ranks the ranks it names are, when `group` is a
+    subgroup: every message of this layer names ranks of the group it runs on, and on a subgroup a user reading
+    "rank 2" would take it for global rank 2."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return exc
+    members = dist.get_process_group_ranks(group)
+    if members == list(range(dist.get_world_size())):
+        return exc
+    note = f" [ranks of the process group: its ranks 0..{len(members) - 1} are global ranks {members}]"
+    message = str(exc)
+    if exc.args and note not in message:
+        exc.args = (message + note,) + tuple(exc.args[1:])
+    return exc
+
+
 def ranks_text(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
@@ -79,8 +95,8 @@ def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
         count = store.add(f"{base}/count", 1)
         if count >= POISON:
             verdict = _verdict(store, base)
-            raise ExchangeTimeout(f"decent_comm: {what}: this rank (rank {rank}) arrived after the other ranks had "
-                                  f"stopped waiting for it ({verdict})")
+            raise in_global_ranks(ExchangeTimeout(f"decent_comm: {what}: this rank (rank {rank}) arrived after the "
+                                                  f"other ranks had stopped waiting for it ({verdict})"), group)
         if count == world_size:
             store.set(f"{base}/done", "1")
             return base
@@ -105,8 +121,8 @@ def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
     except dist.DistError as exc:  # the store itself failed (its server is gone): no rank can be named
         raise ExchangeError(f"decent_comm: {what}: the store of the default process group failed while the ranks "
                             f"met: {exc}") from exc
-    raise ExchangeTimeout(f"decent_comm: {what}: {verdict} of the {world_size} (this rank: rank {rank}); every rank "
-                          "that arrived raises this error")
+    raise in_global_ranks(ExchangeTimeout(f"decent_comm: {what}: {verdict} of the {world_size} (this rank: rank "
+                                          f"{rank}); every rank that arrived raises this error"), group)
 
 
 def _verdict(store, base: str) -> str:

@@ -41,8 +41,21 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .arrival import ExchangeError, ExchangeTimeout, wait_for_ranks
+from .arrival import ExchangeError, ExchangeTimeout, in_global_ranks, wait_for_ranks
 from .roster import BLAME_GRACE_S, Roster, swap
+
+
+def _released_by_gloo(tensor: torch.Tensor, references: int, limit_s: float = 1.0) -> None:
+    """Returns once the finished all-reduce of `tensor` holds none of its references (`references`: its count
+    before), i.e. once gloo's worker thread has let go of the work too (a few microseconds after the wait returned,
+    unless that thread is descheduled). Otherwise the worker may drop the last reference to a tensor whose Python
+    object the caller has let go of meanwhile, which takes the GIL: if the script has just ended, during
+    finalization, and the process aborts ("terminate called without an active exception", see _closing.py). A
+    script's last call is often a collective utility (the README's global_average() before saving): 3 of 66 such
+    runs aborted on this 2-core machine under load."""
+    deadline = time.monotonic() + limit_s
+    while tensor._use_count() > references and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 class CollectiveMismatch(RuntimeError):
@@ -68,7 +81,8 @@ class BoundedAllReduce:
         self.group = process_group  # None: the default group, looked up at each call (see above)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout = None if timeout is None else float(timeout)
-        self.bounded = self.timeout is not None and "nccl" not in str(dist.get_backend(self.group))
+        self.gloo = "nccl" not in str(dist.get_backend(self.group))
+        self.bounded = self.timeout is not None and self.gloo
         self.device = torch.device("cpu") if device is None else torch.device(device)
         namespace = wait_for_ranks(self.group, self.timeout, "setting up the optimizer's all-reduces")
         self._namespace = namespace  # the same on every rank, and distinct per object: tells two objects apart
@@ -124,30 +138,35 @@ class BoundedAllReduce:
         listed = "; ".join(f"rank {r}{' (this rank)' if r == self.rank else ''}: "
                            + (f"{s[0]}, label {s[1]}, {s[2]} tensors of {s[3]} elements" if s else "(unknown)")
                            for r, s in sides.items())
-        raise CollectiveMismatch(f"decent_comm: {what}: the ranks are not about to run the same all-reduces "
-                                 f"({listed}); none of them was started", sides)
+        raise in_global_ranks(CollectiveMismatch(f"decent_comm: {what}: the ranks are not about to run the same "
+                                                 f"all-reduces ({listed}); none of them was started", sides),
+                              self.group)
 
     def __call__(self, tensor: torch.Tensor, what: str):
         """Sums `tensor` over the group in place (`what` names it in errors)."""
         self._check_usable(what)
-        if not self.bounded:
+        if not self.gloo:
             dist.all_reduce(tensor, group=self.group)
             return
         started = time.monotonic()
+        references = tensor._use_count()
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         try:
-            if work.wait(timeout=datetime.timedelta(seconds=self.timeout)) is not False:
+            if work.wait(**({"timeout": datetime.timedelta(seconds=self.timeout)} if self.bounded else {})) \
+                    is not False:
+                del work
+                _released_by_gloo(tensor, references)
                 return
             detail = "the all-reduce was aborted"
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
             detail = str(e)
         everyone = list(range(self.world_size))
-        if time.monotonic() - started + 0.01 >= self.timeout:
+        if self.bounded and time.monotonic() - started + 0.01 >= self.timeout:
             error = ExchangeTimeout(f"decent_comm: {what}: the all-reduce over ranks {everyone} did not complete "
                                     f"within {self.timeout * 1e3:.0f} ms{self._roster.blame(everyone)}; transport: "
                                     f"{detail}")
         else:
             error = ExchangeError(f"decent_comm: {what}: the all-reduce over ranks {everyone} failed"
                                   f"{self._roster.blame(everyone)}: {detail}")
-        self._error = str(error)
+        self._error = str(in_global_ranks(error, self.group))
         raise error

@@ -11,22 +11,34 @@ group), in this order on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
-from .exchanger import Exchanger
+from .arrival import in_global_ranks
+from .exchanger import ExchangeError, Exchanger
 from .group_allreduce import GroupAllReduce
 
 
 class GossipExchange:
     def __init__(self, process_group, device: torch.device, *, timeout=None, wire_dtype=None,
                  groups: Iterable[Sequence[int]] = ()):
-        self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
-        groups = list(groups)
-        self.groups: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
-                                                 if groups else None)
+        self._group = process_group
+        with self._named():
+            self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
+            groups = list(groups)
+            self.groups: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
+                                                     if groups else None)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
+
+    @contextlib.contextmanager
+    def _named(self):
+        """Errors name the ranks of the process group; on a subgroup they also say which global ranks those are."""
+        try:
+            yield
+        except (ExchangeError, ValueError) as e:
+            raise in_global_ranks(e, self._group)
 
     def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], *,
                  send_to: Sequence[int] = (), recv_from: Sequence[int] = (), group: Optional[Sequence[int]] = None):
@@ -36,26 +48,31 @@ class GossipExchange:
                                  "averaging groups were set up")
             if send_to or recv_from:
                 raise ValueError(f"GossipExchange.exchange(bucket={bucket}): a group step has no send_to/recv_from")
-            self.groups.exchange(bucket, send, recvs, group)
+            with self._named():
+                self.groups.exchange(bucket, send, recvs, group)
             self._route[bucket] = self.groups
         else:
-            self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
+            with self._named():
+                self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
             self._route[bucket] = self.p2p
 
     def wait(self, bucket: int):
         path = self._route.get(bucket)
-        (path or self.p2p).wait(bucket)  # an unknown bucket: the Exchanger's error names it
+        with self._named():
+            (path or self.p2p).wait(bucket)  # an unknown bucket: the Exchanger's error names it
 
     def _paths(self):
         return [self.p2p] + ([self.groups] if self.groups is not None else [])
 
     def wait_all(self):
-        for path in self._paths():
-            path.wait_all()
+        with self._named():
+            for path in self._paths():
+                path.wait_all()
 
     def synchronize(self):
-        for path in self._paths():
-            path.synchronize()
+        with self._named():
+            for path in self._paths():
+                path.synchronize()
 
     @property
     def bytes_sent(self) -> int:
@@ -71,4 +88,4 @@ class GossipExchange:
             except Exception as e:  # noqa: BLE001 - release the other path before raising
                 first = first or e
         if first is not None:
-            raise first
+            raise in_global_ranks(first, self._group)

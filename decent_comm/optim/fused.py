@@ -109,6 +109,8 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
     if eps is not None and not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     if betas is not None:
+        if len(betas) != 2:  # else a step failed to unpack them
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {tuple(betas)!r}")
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}")

@@ -18,7 +18,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange.arrival import ExchangeTimeout, ranks_text, timeout_s, wait_for_ranks
+from ..exchange.arrival import ExchangeTimeout, in_global_ranks, ranks_text, timeout_s, wait_for_ranks
 from ..exchange.roster import swap
 
 log = logging.getLogger(__name__)
@@ -229,21 +229,23 @@ def verify_replicas(config: Optional[dict], process_group, world_size: int, time
     sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(mine),
                           seconds)
     if missing:
-        raise ExchangeTimeout(f"decent_comm: building the optimizer: {ranks_text(missing)} arrived but did not send "
-                              f"its configuration within {seconds:g} s")
+        raise in_global_ranks(ExchangeTimeout(f"decent_comm: building the optimizer: {ranks_text(missing)} arrived but "
+                                              f"did not send its configuration within {seconds:g} s"), process_group)
     if refusal is not None:
         return
     everyone = [pickle.loads(sides[r]) for r in range(world_size)]
     refused = [r for r, c in enumerate(everyone) if _REFUSED in c]
     if refused:
-        raise ValueError(f"decent_comm: {ranks_text(refused)} refused to build the optimizer (rank {refused[0]}: "
-                         f"{everyone[refused[0]][_REFUSED]}); every rank must build it with the same valid options")
+        raise in_global_ranks(ValueError(
+            f"decent_comm: {ranks_text(refused)} refused to build the optimizer (rank {refused[0]}: "
+            f"{everyone[refused[0]][_REFUSED]}); every rank must build it with the same valid options"), process_group)
     ref = everyone[0]
     for r, other in enumerate(everyone):
         for name, value in other.items():
             if value != ref.get(name):
-                raise RuntimeError(f"decent_comm: replicas disagree: rank {r}: {_difference(name, value, ref.get(name))}"
-                                   " (every rank must build the optimizer with the same parameters and options)")
+                raise in_global_ranks(RuntimeError(
+                    f"decent_comm: replicas disagree: rank {r}: {_difference(name, value, ref.get(name))} (every rank "
+                    "must build the optimizer with the same parameters and options)"), process_group)
 
 
 @torch.no_grad()
