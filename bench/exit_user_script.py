@@ -7,6 +7,8 @@ Variants (what the script does before the interpreter exits):
     none        decent_comm DAdamW; neither opt.shutdown() nor dist.destroy_process_group(); the optimizer
                 dies when main() returns (the usual shape of a script)
     global      as none, but the optimizer stays referenced from a module global until the interpreter exits
+    average     as global, the README's ending: the last call is the collective opt.global_average() (saving
+                rank 0's average), whose all-reduces gloo's worker thread may still be releasing at exit
     shutdown    decent_comm; opt.shutdown() only
     destroy     decent_comm; dist.destroy_process_group() only
     both        decent_comm; opt.shutdown(), then dist.destroy_process_group()
@@ -27,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-VARIANTS = ("none", "global", "shutdown", "destroy", "both", "ddp", "ddp-destroy", "ddp-hook", "callback")
+VARIANTS = ("none", "global", "average", "shutdown", "destroy", "both", "ddp", "ddp-destroy", "ddp-hook", "callback")
 KEEP = []  # variant global: what stays alive until the interpreter exits
 
 
@@ -64,8 +66,11 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
-    if args.variant == "global":
+    if args.variant in ("global", "average"):
         KEEP.append(opt)
+    if args.variant == "average":
+        with opt.global_average():
+            KEEP.append({k: v.clone() for k, v in model.state_dict().items()})
     if args.variant in ("shutdown", "both"):
         opt.shutdown()
     if args.variant in ("destroy", "both", "ddp-destroy"):
