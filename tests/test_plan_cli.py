@@ -145,6 +145,10 @@ BAD = [
     (["--seed", "-1"], "--seed"),
     (["--compute", "nan"], "--compute"),
     (["--compute=-5ms"], "--compute"),
+    (["--compute", "-5ms"], "--compute"),  # argparse took "-5ms" for a flag: "expected one argument"
+    (["--compute", "300"], "--compute"),   # 300 s, silently: a unit is required
+    (["--bucket-size", "25"], "--bucket-size"),  # 25 bytes, silently
+    (["--device", "cpu"], "--device"),     # only with --measure, as --model
     (["--compute", "inf"], "--compute"),
     (["--compute", "1e300s"], "--compute"),
     (["--compute-std", "1e-300s"], "--compute-std"),
@@ -181,6 +185,14 @@ def test_cli_bad_input_is_one_line_and_exit_2(extra, flag, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("python -m decent_comm") and ": error: " in lines[0], err
     assert flag in lines[0], err
     assert out == ""
+
+
+@pytest.mark.parametrize("extra, says", [(["--compute", "-5ms"], "must be >= 0"),
+                                         (["--inter-bw", "-25Gbit"], "must be > 0"),
+                                         (["--compute", "300"], "needs a unit, e.g. 120ms")])
+def test_cli_negative_and_unitless_values_get_their_own_message(extra, says):
+    code, _, err = run_cli(EXAMPLE + extra + ["--no-sim"])
+    assert code == 2 and says in err, err
 
 
 SLOW_LINKS = ["plan", "--nodes", "4", "--gpus-per-node", "1", "--params", "0.43M", "--inter-bw", "50Mbit",

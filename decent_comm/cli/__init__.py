@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from .registry import BUILTIN_MODULES, SUBCOMMANDS, Subcommand, register
 
@@ -45,11 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _glued_negative_values(argv):
+    """``--flag -5ms`` as ``--flag=-5ms``: argparse takes a token starting with "-" and not a plain number for a
+    flag, so a negative value with a unit got "expected one argument" instead of the flag's own range message."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and token[:1] == "-" and token[1:2] in \
+                set("0123456789."):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv=None) -> int:
     """Run the command line; returns the exit code (2 for bad input)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_glued_negative_values(sys.argv[1:] if argv is None else list(argv)))
         sub_parser = args._subparser
         try:
             return int(args._subcommand.run(args, sub_parser) or 0)

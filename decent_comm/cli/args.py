@@ -62,23 +62,39 @@ def in_range(value: float, span: tuple, text, what: str) -> float:
     return value
 
 
-def unit(parser, span: tuple, **kw):
-    """A ``runtime_model.units`` parser (``parse_bandwidth``, ...) as an argparse type, bounded by ``span``."""
+def unit(parser, span: tuple, example: str = "", **kw):
+    """A ``runtime_model.units`` parser (``parse_bandwidth``, ...) as an argparse type, bounded by ``span``. With
+    `example` a non-zero value needs a unit: the API reads a bare number in base units (seconds, bytes), which on
+    the command line took ``--compute 300`` for 300 s and ``--bucket-size 25`` for 25 bytes, silently."""
     what = parser.__name__.replace("parse_", "")
 
     def parse(text):
         try:
-            return in_range(parser(text, **kw), span, text, what)
+            value = parser(text, **kw)
+        except units.UnitError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if example and value != 0 and _is_bare_number(text):
+            raise argparse.ArgumentTypeError(f"{what} {text!r} needs a unit, e.g. {example}")
+        try:
+            return in_range(value, span, text, what)
         except units.UnitError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     parse.__name__ = what
     return parse
 
 
+def _is_bare_number(text) -> bool:
+    try:
+        float(str(text).strip())
+        return True
+    except ValueError:
+        return False
+
+
 BANDWIDTH = unit(units.parse_bandwidth, BANDWIDTH_RANGE)
-DURATION = unit(units.parse_duration, DURATION_RANGE)
+DURATION = unit(units.parse_duration, DURATION_RANGE, example="120ms, 0.12s, 5us")
 COUNT = unit(units.parse_count, COUNT_RANGE)
-SIZE = unit(units.parse_size, SIZE_RANGE)
+SIZE = unit(units.parse_size, SIZE_RANGE, example="25MB, 25MiB")
 
 
 def read_sample(text: str, flag: str = "--compute-sample") -> list:

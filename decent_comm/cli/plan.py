@@ -158,6 +158,8 @@ def _check(args, parser) -> None:
                      f" {args.forward_fraction:g} + {args.backward_fraction:g}")
     if args.model and not args.measure:
         parser.error("--model is used with --measure only")
+    if args.device != "auto" and not args.measure:
+        parser.error("--device is used with --measure only")
 
 
 def build_inputs(args, parser):
