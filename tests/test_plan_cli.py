@@ -195,6 +195,18 @@ def test_cli_negative_and_unitless_values_get_their_own_message(extra, says):
     assert code == 2 and says in err, err
 
 
+def test_cli_and_api_share_the_default_latencies():
+    """ClusterConfig defaulted to 5/2 us where the command line used 10/3 us: 196.1 vs 196.4 ms for one cluster."""
+    from decent_comm.cli import build_parser
+    from decent_comm.cli.plan import build_inputs
+    from decent_comm.runtime_model import ClusterConfig
+    parser = build_parser()
+    args = parser.parse_args(EXAMPLE + ["--no-sim"])
+    cluster, _, _ = build_inputs(args, args._subparser)
+    api = ClusterConfig(cluster.nodes, cluster.ranks_per_node, cluster.inter_bandwidth, cluster.intra_bandwidth)
+    assert (api.inter_latency, api.intra_latency) == (cluster.inter_latency, cluster.intra_latency) == (10e-6, 3e-6)
+
+
 SLOW_LINKS = ["plan", "--nodes", "4", "--gpus-per-node", "1", "--params", "0.43M", "--inter-bw", "50Mbit",
               "--compute", "100ms", "--no-sim", "--json"]
 

@@ -16,6 +16,8 @@ from ..runtime_model import units
 from ..runtime_model.hardware import INTRA_SHARING, MAX_WORLD_SIZE, ClusterConfig
 from ..runtime_model.planner import GAP_THRESHOLD, default_topologies, plan
 from ..runtime_model.workload import DDP_BUCKET_BYTES, EXCHANGES, MODES, WIRE_DTYPES, ComputeTime, Workload
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}
 from . import plan_report
 from .args import BANDWIDTH, COUNT, DURATION, SIZE, integer, number, read_sample
 from .registry import Subcommand, register
@@ -181,8 +183,10 @@ def build_inputs(args, parser):
         nodes=args.nodes, ranks_per_node=args.gpus_per_node,
         inter_bandwidth=args.inter_bw if args.inter_bw is not None else math.inf,
         intra_bandwidth=args.intra_bw if args.intra_bw is not None else math.inf,
-        inter_latency=args.inter_latency if args.inter_latency is not None else (lat if lat is not None else 10e-6),
-        intra_latency=args.intra_latency if args.intra_latency is not None else (lat if lat is not None else 3e-6),
+        inter_latency=args.inter_latency if args.inter_latency is not None else (lat if lat is not None else
+                                                                                 _DEFAULTS["inter_latency"]),
+        intra_latency=args.intra_latency if args.intra_latency is not None else (lat if lat is not None else
+                                                                                 _DEFAULTS["intra_latency"]),
         intra_sharing=args.intra_sharing)
     fractions = dict(forward_fraction=args.forward_fraction, backward_fraction=args.backward_fraction)
     if args.compute is not None:

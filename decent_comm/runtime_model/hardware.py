@@ -43,8 +43,8 @@ class ClusterConfig:
     ranks_per_node: int
     inter_bandwidth: float
     intra_bandwidth: float
-    inter_latency: float = 5e-6
-    intra_latency: float = 2e-6
+    inter_latency: float = 10e-6  # the command line's defaults too (it reads them from here)
+    intra_latency: float = 3e-6
     intra_sharing: str = "rank"
     node_inter_bandwidths: tuple | None = None
 
