@@ -20,6 +20,8 @@ PAIRS = {
     "DSGD-plain": (decent_comm.DSGD, torch.optim.SGD, dict(lr=0.1)),
     "DAdam": (decent_comm.DAdam, torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)),
     "DAdamW": (decent_comm.DAdamW, torch.optim.AdamW, dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)),
+    # torch.optim.Adam's own switch to AdamW's update (a TypeError here before)
+    "DAdam-decoupled": (decent_comm.DAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)),
     "Decentralized(AdamW)": (lambda ps, **hp: decent_comm.Decentralized(torch.optim.AdamW(ps, **hp)),
                              torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
 }

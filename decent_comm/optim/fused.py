@@ -194,6 +194,15 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
 class DAdam(_AdamBase):
     __doc__ = "Decentralized torch.optim.Adam (L2 weight decay folded into the gradient)." + _DOC_OPTIONS
 
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 decoupled_weight_decay=False, **kw):
+        # torch.optim.Adam's flag: True is AdamW's update (and its groups say so, which checkpoints and the start-up
+        # comparison of the ranks see)
+        self._decoupled = bool(decoupled_weight_decay)
+        if self._decoupled:
+            kw["_extra_defaults"] = dict(kw.get("_extra_defaults") or {}, decoupled_weight_decay=True)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+
 
 class DAdamW(_AdamBase):
     __doc__ = "Decentralized torch.optim.AdamW (decoupled weight decay)." + _DOC_OPTIONS
