@@ -278,3 +278,15 @@ def test_parameters_given_new_storage_train_as_torch(how, device):
                     p.set_(t.clone())
         run(model, opt, device, 5, start=2)
     assert_params_close(how, [p.detach() for p in m_ours.parameters()], [p.detach() for p in m_torch.parameters()])
+
+
+@pytest.mark.parametrize("ours, theirs", [(decent_comm.DSGD, torch.optim.SGD), (decent_comm.DAdam, torch.optim.Adam),
+                                          (decent_comm.DAdamW, torch.optim.AdamW)])
+def test_signatures_have_every_torch_argument_with_its_default(ours, theirs):
+    """inspect.signature(DAdamW) showed `**kw`, hiding torch's keyword-only arguments; DAdam lacked
+    decoupled_weight_decay (a TypeError)."""
+    import inspect
+    mine = inspect.signature(ours).parameters
+    for name, p in inspect.signature(theirs).parameters.items():
+        assert name in mine and mine[name].kind == p.kind, (name, mine.get(name))
+        assert mine[name].default == p.default, (name, mine[name].default, p.default)

@@ -195,21 +195,25 @@ class DAdam(_AdamBase):
     __doc__ = "Decentralized torch.optim.Adam (L2 weight decay folded into the gradient)." + _DOC_OPTIONS
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 decoupled_weight_decay=False, **kw):
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, **decentralized):
         # torch.optim.Adam's flag: True is AdamW's update (and its groups say so, which checkpoints and the start-up
         # comparison of the ranks see)
         self._decoupled = bool(decoupled_weight_decay)
-        if self._decoupled:
-            kw["_extra_defaults"] = dict(kw.get("_extra_defaults") or {}, decoupled_weight_decay=True)
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         _extra_defaults=dict(decoupled_weight_decay=True) if self._decoupled else None,
+                         **decentralized)
 
 
 class DAdamW(_AdamBase):
     __doc__ = "Decentralized torch.optim.AdamW (decoupled weight decay)." + _DOC_OPTIONS
     _decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, **decentralized):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused, **decentralized)
 
 
 class AccumAdam(_AdamBase):
@@ -217,11 +221,13 @@ class AccumAdam(_AdamBase):
                "`accum_steps` steps, damping the momentum drift decentralization adds." + _DOC_OPTIONS)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 accum_steps=4, **kw):
+                 accum_steps=4, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 **decentralized):
         if int(accum_steps) != accum_steps or accum_steps < 1:
             raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, _extra_defaults=dict(accum_steps=int(accum_steps)),
-                         **kw)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         _extra_defaults=dict(accum_steps=int(accum_steps)), **decentralized)
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq", "accum"]
@@ -238,5 +244,9 @@ class AccumAdamW(AccumAdam):
     __doc__ = "AccumAdamW: AccumAdam with decoupled weight decay." + _DOC_OPTIONS
     _decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kw):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 accum_steps=4, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 **decentralized):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, accum_steps=accum_steps, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused,
+                         **decentralized)
