@@ -43,5 +43,7 @@ def test_info_says_which_kernels_were_built():
     assert lines["kernels"] == ("CPU and CUDA" if ops.has_cuda_kernels() else "CPU only")
     assert lines["torch"] == torch.__version__
     assert lines["cuda_devices_visible"] == str(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if not ops.has_cuda_kernels():  # what builds them, as `info --help` promises
+        assert "DECENT_COMM_CUDA=1" in out.getvalue().splitlines()[-1], out.getvalue()
     # The kernels it names are the ones that run: a CUDA build registers a CUDA kernel for the op.
     assert torch._C._dispatch_has_kernel_for_dispatch_key("decent_comm::gossip_mix_", "CUDA") == ops.has_cuda_kernels()

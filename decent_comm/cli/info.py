@@ -51,8 +51,13 @@ def run(args, parser) -> int:
     if info["kernels"] == "CPU only" and info["cuda_devices_visible"]:
         print("note: a GPU is visible but the CUDA kernels were not built; rebuild with DECENT_COMM_CUDA=1 "
               "(or TORCH_CUDA_ARCH_LIST=<archs>) to use it")
+    elif info["kernels"] == "CPU only":
+        print("note: the CUDA kernels are built when the build sees a GPU, TORCH_CUDA_ARCH_LIST=<archs> or "
+              "DECENT_COMM_CUDA=1 (and nvcc and a CUDA build of torch); the build log says which it found "
+              "(pip install -v)")
     return 0
 
 
-register(Subcommand(name="info", help="say which kernels this build holds (CPU only, or CPU and CUDA) and why",
+register(Subcommand(name="info", help="say which kernels this build holds (CPU only, or CPU and CUDA) and what "
+                                      "builds the others",
                     add_arguments=lambda p: None, run=run))
