@@ -7,7 +7,8 @@ worker that releases a finished collective's tensors needs the GIL (their Python
 thread that asks for the GIL during finalization with pthread_exit, whose unwinding through a noexcept
 destructor is std::terminate ("terminate called without an active exception", issue #14.1).
 
-So every Exchanger and GroupAllReduce registers here when it is created, and is drained and closed
+So every Exchanger and GroupAllReduce registers here when it is created (and every BoundedAllReduce, whose
+``shutdown()`` waits until gloo's workers let go of the last all-reduces' tensors it keeps for that reason), and is drained and closed
 (``shutdown()``, which also lets go of the process group) either when it is garbage collected (``__del__``:
 an optimizer local to ``main()`` dies when ``main`` returns, or later in a cyclic collection) or, if still
 alive then, by an atexit hook. Draining is safe at both points: every rank launched the same exchange, so

@@ -32,8 +32,10 @@ of a group that was given.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import json
+import sys
 import time
 import zlib
 from typing import Dict, Optional, Sequence, Tuple
@@ -41,18 +43,24 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _closing
 from .arrival import ExchangeError, ExchangeTimeout, in_global_ranks, wait_for_ranks
 from .roster import BLAME_GRACE_S, Roster, swap
 
 
+#: finished all-reduces whose tensors a BoundedAllReduce keeps (gloo runs 2 worker threads by default)
+_HELD = 8
+
+
 def _released_by_gloo(tensor: torch.Tensor, references: int, limit_s: float = 1.0) -> None:
     """Returns once the finished all-reduce of `tensor` holds none of its references (`references`: its count
-    before), i.e. once gloo's worker thread has let go of the work too (a few microseconds after the wait returned,
-    unless that thread is descheduled). Otherwise the worker may drop the last reference to a tensor whose Python
-    object the caller has let go of meanwhile, which takes the GIL: if the script has just ended, during
-    finalization, and the process aborts ("terminate called without an active exception", see _closing.py). A
-    script's last call is often a collective utility (the README's global_average() before saving): 3 of 66 such
-    runs aborted on this 2-core machine under load."""
+    before), i.e. once gloo's worker thread has let go of the work too (microseconds after the wait returned, or
+    milliseconds when that thread is descheduled). Until then the caller keeps the tensor: else the worker may drop
+    the last reference to a tensor whose Python object the caller has let go of, which takes the GIL: if the script
+    has just ended, during finalization, and the process aborts ("terminate called without an active exception",
+    see _closing.py). A script's last call is often a collective utility (the README's global_average() before
+    saving): 3 of 66 such runs aborted on this 2-core machine under load. Waiting here after every all-reduce cost
+    0.6-2.4 ms on that loaded machine, so the tensors are kept instead and this runs only when they are let go."""
     deadline = time.monotonic() + limit_s
     while tensor._use_count() > references and time.monotonic() < deadline:
         time.sleep(0)
@@ -89,10 +97,27 @@ class BoundedAllReduce:
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
         self._closed = False
+        # The tensors of the last finished gloo all-reduces, with their reference counts before: kept alive until
+        # gloo's worker threads have surely let go of them (see _released_by_gloo), released by close(), when this
+        # object is collected, or at exit (_closing.track).
+        self._held: collections.deque = collections.deque(maxlen=_HELD)
+        _closing.track(self)
 
     def close(self):
         """Lets go of the process group (the owner is shutting down); later calls raise RuntimeError."""
+        self.release()
         self.group, self._closed = None, True
+
+    shutdown = close  # what _closing calls at exit
+
+    def release(self):
+        """Returns once gloo's worker threads hold none of the finished all-reduces' tensors (at most 1 s each)."""
+        while self._held:
+            _released_by_gloo(*self._held.popleft())
+
+    def __del__(self):
+        if not sys.is_finalizing():
+            self.release()
 
     def flag(self, what: str):
         """Marks `what` as true of this rank, beside the sums (which cannot say whose values they hold): called
@@ -155,7 +180,7 @@ class BoundedAllReduce:
             if work.wait(**({"timeout": datetime.timedelta(seconds=self.timeout)} if self.bounded else {})) \
                     is not False:
                 del work
-                _released_by_gloo(tensor, references)
+                self._held.append((tensor, references))
                 return
             detail = "the all-reduce was aborted"
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
