@@ -231,3 +231,85 @@ def test_a_model_with_mix_hooks_pickles_and_its_copy_is_inert():
         torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
         assert twin.state_dict().keys() == model.state_dict().keys()
     opt.shutdown()
+
+
+class Clip(torch.nn.Module):
+    """Trained through forward(); evaluated (encode_image) and, in _method_entry, trained through methods that read
+    the projections without the top-level module running."""
+
+    def __init__(self):
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5)
+        self.img_proj, self.txt_proj = torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(5, 3))
+
+    def encode_image(self, x):
+        return self.img(x) @ self.img_proj
+
+    def loss(self, x):
+        return (self.encode_image(x) @ (self.txt(x.flip(0)) @ self.txt_proj).T).logsumexp(1).mean()
+
+    def forward(self, x):
+        return self.loss(x)
+
+
+def _clip_run(rank, n, give_model, evaluate_first, train_through_forward):
+    torch.manual_seed(0)
+    m = Clip()
+    opt = decent_comm.DSGD(m.parameters(), lr=0.1, topology="ring", mode="atc", model=m if give_model else None,
+                           bucket_cap_mb=1e-6)  # a bucket per parameter: the projections' own are deferred
+    g = torch.Generator().manual_seed(rank)
+    if evaluate_first:
+        with torch.no_grad():
+            m(torch.randn(5, 4))
+    gaps = []
+    for t in range(4):
+        x = torch.randn(5, 4, generator=g)
+        (m(x) if train_through_forward else m.loss(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # an evaluation between steps, then the same after only applying the pending mix
+            before = m.encode_image(x)
+            opt.synchronize()
+            gaps.append((before - m.encode_image(x)).abs().max().item())
+    opt.shutdown()
+    return gaps, [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("give_model", [True, False])
+def test_atc_evaluations_and_method_entries_see_the_mixed_point(give_model):
+    """A forward without gradients applies every pending mix: encode_image() read img_proj unmixed (0.21 off), and
+    nn.TransformerEncoder's eval fast path its layers' weights. It also learns nothing: an evaluation through
+    forward() then training through loss() deferred the projections to a hook that never fired, and every gradient
+    was taken at the unmixed point (8e-2 off the float64 simulation)."""
+    evaluated = run_ranks(_clip_run, 3, give_model, True, False, timeout=120)
+    plain = run_ranks(_clip_run, 3, give_model, False, False, timeout=120)
+    for (gaps, params), (_, reference) in zip(evaluated, plain):
+        assert max(gaps) == 0.0, gaps
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _deferred_then_used_by_a_method(rank, n):
+    torch.manual_seed(0)
+    m = Clip()
+    opt = decent_comm.DSGD(m.parameters(), lr=0.1, topology="ring", mode="atc", model=m, bucket_cap_mb=1e-6)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    m(x).backward()  # through forward(): the top-level module's hook defers the projections' buckets
+    opt.step()
+    deferred = len(opt._schedule._hooks.deferrable())
+    m.loss(x).backward()  # a method: that hook does not fire, the projections are read unmixed
+    opt.step()
+    m.loss(x).backward()
+    opt.step()
+    out = deferred, len(opt._schedule._hooks.deferrable()), set(opt._schedule.pending)
+    opt.shutdown()
+    return out
+
+
+def test_atc_bucket_used_without_its_modules_hook_is_mixed_at_step_end_from_then_on():
+    """Training through forward() and then through a method: the step after the switch took its gradient at the
+    unmixed point of the projections' buckets; step() sees them still pending with gradients, says so, and mixes
+    them at the end of step() from then on."""
+    for deferred, after, pending in run_ranks(_deferred_then_used_by_a_method, 3, timeout=120):
+        assert deferred == 6 and after == 4, (deferred, after)  # 6 buckets; the 2 projections no longer deferred
+        assert len(pending) == 4, pending

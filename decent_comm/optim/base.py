@@ -243,7 +243,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         s = self._schedule
         plan = s.awc_plan()
         measure = s.wants_step_sq(s.t + 1)  # the decision for step t+1 is taken at the end of this one
-        s.begin_mix()
+        s.meter.begin()
         step_sq = self._update_awc(plan, skip_update, measure)
         s.end_mix(plan)
         s.record_step_sq(step_sq)
@@ -268,6 +268,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
 
     def _step_atc(self, skip_update: bool):
         s = self._schedule
+        s.check_deferred_used()
         s.mix_pending()
         measure = s.wants_step_sq(s.t)  # decided below, before this step's exchange
         refs = [b.flat.clone() for b in self._buckets] if measure else None

@@ -12,13 +12,28 @@ forward of a module that holds it directly (in its own ``_parameters``), not rea
 A pending mix is also applied before such a module's ``state_dict()`` is taken (a state_dict pre-hook on each
 module whose forward pre-hook defers a bucket): ``torch.save(model.state_dict())`` before ``opt.state_dict()``
 (which applies every pending mix) once saved the unmixed point, and a resume lost that step's mix.
+
+Two ways around the assumption, and what catches them:
+* A forward without gradients (an evaluation under no_grad or inference_mode) may read parameters without running
+  their modules: nn.TransformerEncoder's inference fast path reads its layers' weights, a CLIP-style
+  ``encode_image()`` method its projection. So the first hook of such a forward applies every pending mix (eval
+  needs no overlap), and learns nothing: ownership comes from training forwards only (an evaluation through
+  forward() followed by training through a ``loss()`` method had deferred buckets to a hook that never fired).
+* A training forward that reads a deferred bucket's parameters without running the module holding them (a method
+  other than forward(), once forward() had run): the gradient is taken at the unmixed point. step() sees the
+  bucket's mix still pending while it has gradients (``distrust``): from then on that bucket is mixed at the end of
+  step(), and a warning names it (that one step's gradient was taken at the unmixed point).
 """
+
+import logging
 
 import weakref
 from typing import Dict, Optional, Set
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
+
+log = logging.getLogger("decent_comm")
 
 
 class MixBeforeUse:
@@ -27,6 +42,7 @@ class MixBeforeUse:
         self._bucket_of: Dict[int, int] = {id(s.param): b.index for b in schedule.buckets for s in b.slots}
         self._missing = {b.index: {id(s.param) for s in b.slots} for b in schedule.buckets}
         self._owned: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+        self._distrusted: Set[int] = set()  # buckets a training forward used without their module's hook
         self._handles = []
         self._global = model is None
         if model is not None:
@@ -61,6 +77,11 @@ class MixBeforeUse:
         return out
 
     def _hook(self, module, args):
+        if not torch.is_grad_enabled():  # an evaluation: every pending mix now, nothing learned (module docstring)
+            schedule = self._schedule()
+            if schedule is not None and schedule.pending:
+                schedule.mix_pending()
+            return
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
         self._mix_for(module, learn=True)
@@ -85,7 +106,22 @@ class MixBeforeUse:
 
     def deferrable(self) -> Set[int]:
         """Buckets whose every parameter is held by a module whose pre-hook will mix it before use."""
-        return {b for b, missing in self._missing.items() if not missing}
+        return {b for b, missing in self._missing.items() if not missing and b not in self._distrusted}
+
+    def distrust_used(self, pending) -> None:
+        """At step(), before the pending mix: a `pending` bucket with a non-zero gradient was used in the forward
+        without the hooks of the modules holding it firing (a method other than forward(), a parameter read
+        directly), so its gradient was taken before its mix: mixed at the end of step() from now on, and said."""
+        buckets = self._schedule().buckets
+        late = [i for i in sorted(pending) if bool(buckets[i].grad.any())]  # (a rare path: the host read is fine)
+        if not late:
+            return
+        self._distrusted.update(late)
+        shapes = [tuple(s.param.shape) for i in late for s in buckets[i].slots if s.param.grad is not None]
+        log.warning("decent_comm: ATC: parameters of shapes %s were used in a forward without the module holding "
+                    "them running (a method other than forward(), or a parameter read directly), so this step's "
+                    "gradient was taken before their mix; their buckets are mixed at the end of step() from now on",
+                    shapes)
 
     def remove(self):
         self._finalizer()

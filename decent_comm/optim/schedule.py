@@ -285,9 +285,9 @@ class GossipSchedule(ScheduleCheckpoint):
 
     # ------------------------------------------------------------------------------------- mixing (atc)
 
-    def begin_mix(self):
-        if self.meter.enabled:
-            self.meter.begin()
+    def check_deferred_used(self):  # ATC, at step() before the pending mix: mix_hooks.MixBeforeUse.distrust_used
+        if self._hooks is not None and self.pending:
+            self._hooks.distrust_used(self.pending)
 
     def end_mix(self, plan: MixPlan):
         """A mix of every bucket is complete: record its disagreement (and the adaptive estimate)."""
@@ -307,7 +307,7 @@ class GossipSchedule(ScheduleCheckpoint):
         ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
         check_unwritten([self.buckets[i] for i in ids])  # before the mix, which would hide a write while in flight
         if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
-            self.begin_mix()
+            self.meter.begin()
             self._fresh = False
         for i in ids:
             b = self.buckets[i]
