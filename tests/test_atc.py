@@ -313,3 +313,60 @@ def test_atc_bucket_used_without_its_modules_hook_is_mixed_at_step_end_from_then
     for deferred, after, pending in run_ranks(_deferred_then_used_by_a_method, 3, timeout=120):
         assert deferred == 6 and after == 4, (deferred, after)  # 6 buckets; the 2 projections no longer deferred
         assert len(pending) == 4, pending
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.heads = torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)])
+
+    def forward(self, x, head):
+        return self.heads[head](self.body(x))
+
+
+def _alternating_heads(rank, n, set_to_none):
+    torch.manual_seed(0)
+    m = TwoHeads()
+    opt = decent_comm.DSGD(m.parameters(), lr=0.1, topology="ring", mode="atc", model=m, bucket_cap_mb=1e-6)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    for t in range(6):  # the idle head's bucket is pending at step() with the gradient of two steps ago in b.grad
+        m(x, t % 2).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    out = len(opt._schedule._hooks.deferrable())
+    opt.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_atc_a_module_idle_this_step_is_not_taken_for_one_used_without_its_hook(set_to_none):
+    """step() looks for buckets still pending with a gradient: the flat gradient keeps a stale one where the default
+    zero_grad() set .grad to None, and the idle head's buckets were no longer deferred (with a warning)."""
+    assert run_ranks(_alternating_heads, 2, set_to_none, timeout=120) == [6, 6]
+
+
+def _reentrant_checkpointing(rank, n):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    opt = decent_comm.DSGD(blocks.parameters(), lr=0.1, topology="ring", mode="atc", model=blocks, bucket_cap_mb=1e-6)
+    seen = []
+    blocks[0].register_forward_hook(lambda mod, args, out: seen.append(len(opt._schedule.pending)))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    for _ in range(3):
+        h = x
+        for block in blocks:  # reentrant: each block's forward runs under no_grad, in training mode
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.shutdown()
+    return seen
+
+
+def test_atc_reentrant_checkpointing_keeps_the_mix_overlapped():
+    """Such a no_grad forward is training, not an evaluation: the first block mixes its own buckets only (it mixed
+    all six, and the forward no longer overlapped the exchange)."""
+    for seen in run_ranks(_reentrant_checkpointing, 2, timeout=120):
+        # per step the forward, then the recomputation in the backward (nothing pending by then); after the first
+        # step, at the first block's forward the 4 buckets of blocks 2 and 3 are still pending
+        assert seen == [0, 0, 4, 0, 4, 0], seen

@@ -290,3 +290,13 @@ def test_signatures_have_every_torch_argument_with_its_default(ours, theirs):
     for name, p in inspect.signature(theirs).parameters.items():
         assert name in mine and mine[name].kind == p.kind, (name, mine.get(name))
         assert mine[name].default == p.default, (name, mine[name].default, p.default)
+
+
+def test_dsgd_allocates_no_momentum_buffer_for_a_bucket_without_gradients():
+    """A frozen parameter in a bucket of its own (still averaged) got a full momentum buffer; torch allocates none."""
+    lin, frozen = torch.nn.Linear(3, 3), torch.nn.Parameter(torch.zeros(1000), requires_grad=False)
+    opt = decent_comm.DSGD([{"params": lin.parameters()}, {"params": [frozen]}], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        lin(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert ["momentum_buffer" in b.state for b in opt._buckets] == [True, False]

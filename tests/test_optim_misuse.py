@@ -26,9 +26,11 @@ SPARSE_TAKERS = {  # ours, torch's: the update from a sparse gradient densified 
     "Decentralized(Adagrad)": (lambda ps: decent_comm.Decentralized(torch.optim.Adagrad(ps, lr=0.1)),
                                lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
 }
-SPARSE_REFUSERS = {  # torch's AdamW refuses sparse gradients; the wrapper densified them and stepped
-    "DAdamW": lambda ps: decent_comm.DAdamW(ps),
+SPARSE_REFUSERS = {  # torch's AdamW refuses sparse gradients, and its SGD and Adagrad with weight decay; the
+    "DAdamW": lambda ps: decent_comm.DAdamW(ps),   # wrapper densified them and stepped, DSGD decayed every row
     "Decentralized(AdamW)": lambda ps: decent_comm.Decentralized(torch.optim.AdamW(ps)),
+    "DSGD(weight_decay)": lambda ps: decent_comm.DSGD(ps, lr=0.1, weight_decay=0.1),
+    "Decentralized(Adagrad(weight_decay))": lambda ps: decent_comm.Decentralized(torch.optim.Adagrad(ps, weight_decay=0.1)),
 }
 
 
@@ -72,7 +74,14 @@ def test_parameters_that_share_memory_are_refused(ctor):
         ctor([torch.nn.Parameter(torch.zeros(1, 3).expand(4, 3))])
     lin = torch.nn.Linear(3, 3)
     halves = [torch.nn.Parameter(base[:3]), torch.nn.Parameter(base[3:])]  # views that do not overlap are fine
-    ctor(list(lin.parameters()) + halves)
+    matrix = torch.zeros(4, 6)  # column halves and even/odd columns: their spans overlap, their elements do not
+    columns = [torch.nn.Parameter(matrix[:, :3]), torch.nn.Parameter(matrix[:, 3:])]
+    ctor(list(lin.parameters()) + halves + columns)
+    interleaved = torch.zeros(4, 6)
+    ctor([torch.nn.Parameter(interleaved[:, ::2]), torch.nn.Parameter(interleaved[:, 1::2])])
+    with pytest.raises(ValueError, match="share memory"):  # one shared column
+        overlapping = torch.zeros(4, 6)
+        ctor([torch.nn.Parameter(overlapping[:, :4]), torch.nn.Parameter(overlapping[:, 3:])])
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -209,6 +218,21 @@ OPTION_MISMATCHES = {
     # a callable is compared by its values (its name alone agreed here, and the replicas' mean drifted)
     "consensus callable": lambda r: (decent_comm.DAdamW, dict(consensus=lambda t: 1.0 if r == 0 or t < 5 else 0.3)),
 }
+_TABLE = [1.0, 0.9, 0.8, 0.7]  # a schedule for a 3-step run (AWC plans the step after): raises beyond, on every rank
+
+
+def _schedules_for_the_run_only(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", timeout=20, consensus=lambda t: _TABLE[t])
+    train_steps(rank, model, opt, 3)
+    opt.shutdown()
+    return "trained"
+
+
+def test_a_consensus_schedule_defined_for_the_run_only_builds():
+    """Its values are compared up to step 1e6 at construction: one failing beyond the run's length (a table, (1 -
+    t / T) ** 0.5) made the construction fail on several ranks, and not on one."""
+    assert run_ranks(_schedules_for_the_run_only, 3, timeout=120) == ["trained"] * 3
 
 
 @pytest.mark.parametrize("option", sorted(OPTION_MISMATCHES))

@@ -148,6 +148,7 @@ BAD = [
     (["--compute", "-5ms"], "--compute"),  # argparse took "-5ms" for a flag: "expected one argument"
     (["--compute", "300"], "--compute"),   # 300 s, silently: a unit is required
     (["--bucket-size", "25"], "--bucket-size"),  # 25 bytes, silently
+    (["--inter-bw", "25e9"], "--inter-bw"),  # bytes/s, silently: 200 Gbit/s
     (["--device", "cpu"], "--device"),     # only with --measure, as --model
     (["--compute", "inf"], "--compute"),
     (["--compute", "1e300s"], "--compute"),

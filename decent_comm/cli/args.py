@@ -91,7 +91,7 @@ def _is_bare_number(text) -> bool:
         return False
 
 
-BANDWIDTH = unit(units.parse_bandwidth, BANDWIDTH_RANGE)
+BANDWIDTH = unit(units.parse_bandwidth, BANDWIDTH_RANGE, example="25Gbit, 100Gbps, 3GB/s")
 DURATION = unit(units.parse_duration, DURATION_RANGE, example="120ms, 0.12s, 5us")
 COUNT = unit(units.parse_count, COUNT_RANGE)
 SIZE = unit(units.parse_size, SIZE_RANGE, example="25MB, 25MiB")

@@ -60,15 +60,18 @@ def in_global_ranks(exc: BaseException, group) -> BaseException:
     """`exc`, its message extended (in place) to say which global ranks the ranks it names are, when `group` is a
     subgroup: every message of this layer names ranks of the group it runs on, and on a subgroup a user reading
     "rank 2" would take it for global rank 2."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not (dist.is_available() and dist.is_initialized()) or len(exc.args) != 1 or \
+            not isinstance(exc.args[0], str):
         return exc
-    members = dist.get_process_group_ranks(group)
-    if members == list(range(dist.get_world_size())):
+    try:
+        members = dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a group destroyed meanwhile: the error as it is
+        return exc
+    if members == list(range(len(members))):  # its ranks are the global ones
         return exc
     note = f" [ranks of the process group: its ranks 0..{len(members) - 1} are global ranks {members}]"
-    message = str(exc)
-    if exc.args and note not in message:
-        exc.args = (message + note,) + tuple(exc.args[1:])
+    if not exc.args[0].endswith(note):
+        exc.args = (exc.args[0] + note,)
     return exc
 
 

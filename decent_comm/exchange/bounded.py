@@ -48,22 +48,17 @@ from .arrival import ExchangeError, ExchangeTimeout, in_global_ranks, wait_for_r
 from .roster import BLAME_GRACE_S, Roster, swap
 
 
-#: finished all-reduces whose tensors a BoundedAllReduce keeps (gloo runs 2 worker threads by default)
-_HELD = 8
-
-
-def _released_by_gloo(tensor: torch.Tensor, references: int, limit_s: float = 1.0) -> None:
-    """Returns once the finished all-reduce of `tensor` holds none of its references (`references`: its count
-    before), i.e. once gloo's worker thread has let go of the work too (microseconds after the wait returned, or
-    milliseconds when that thread is descheduled). Until then the caller keeps the tensor: else the worker may drop
-    the last reference to a tensor whose Python object the caller has let go of, which takes the GIL: if the script
-    has just ended, during finalization, and the process aborts ("terminate called without an active exception",
-    see _closing.py). A script's last call is often a collective utility (the README's global_average() before
-    saving): 3 of 66 such runs aborted on this 2-core machine under load. Waiting here after every all-reduce cost
-    0.6-2.4 ms on that loaded machine, so the tensors are kept instead and this runs only when they are let go."""
-    deadline = time.monotonic() + limit_s
-    while tensor._use_count() > references and time.monotonic() < deadline:
-        time.sleep(0)
+#: How long a finished all-reduce's tensor is kept. gloo's worker thread lets go of the work microseconds after the
+#: wait returns, or milliseconds later when it is descheduled on a loaded machine; until then the caller keeps the
+#: tensor. Else the worker may drop the last reference to a tensor whose Python object was let go of meanwhile, which
+#: takes the GIL: if the script has just ended, during finalization, and the process aborts ("terminate called
+#: without an active exception", see _closing.py). A script's last call is often a collective utility (the
+#: README's global_average() before saving): 3 of 66 such runs aborted on this 2-core machine under load. Waiting
+#: for the worker after every all-reduce cost 0.6-2.4 ms there (it needs a core to finish), and telling its
+#: references from others by Tensor._use_count is unreliable (the exchanger's, views'): so the tensors are kept for
+#: this long (pruned at the next all-reduce and at each optimizer step), and the owner's close, its collection and
+#: the exit wait only for the rest of the newest one's time.
+HOLD_S = 0.1
 
 
 class CollectiveMismatch(RuntimeError):
@@ -97,10 +92,8 @@ class BoundedAllReduce:
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
         self._closed = False
-        # The tensors of the last finished gloo all-reduces, with their reference counts before: kept alive until
-        # gloo's worker threads have surely let go of them (see _released_by_gloo), released by close(), when this
-        # object is collected, or at exit (_closing.track).
-        self._held: collections.deque = collections.deque(maxlen=_HELD)
+        # (finish time, tensor) of the gloo all-reduces finished in the last HOLD_S seconds (see HOLD_S)
+        self._held: collections.deque = collections.deque()
         _closing.track(self)
 
     def close(self):
@@ -110,10 +103,17 @@ class BoundedAllReduce:
 
     shutdown = close  # what _closing calls at exit
 
+    def prune(self, now: Optional[float] = None):
+        """Lets go of the tensors of all-reduces that finished HOLD_S ago or earlier."""
+        now = time.monotonic() if now is None else now
+        while self._held and now - self._held[0][0] >= HOLD_S:
+            self._held.popleft()
+
     def release(self):
-        """Returns once gloo's worker threads hold none of the finished all-reduces' tensors (at most 1 s each)."""
-        while self._held:
-            _released_by_gloo(*self._held.popleft())
+        """Returns once the newest all-reduce finished HOLD_S ago (at most that long), letting go of every tensor."""
+        if self._held:
+            time.sleep(max(0.0, HOLD_S - (time.monotonic() - self._held[-1][0])))
+            self._held.clear()
 
     def __del__(self):
         if not sys.is_finalizing():
@@ -174,13 +174,14 @@ class BoundedAllReduce:
             dist.all_reduce(tensor, group=self.group)
             return
         started = time.monotonic()
-        references = tensor._use_count()
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         try:
             if work.wait(**({"timeout": datetime.timedelta(seconds=self.timeout)} if self.bounded else {})) \
                     is not False:
                 del work
-                self._held.append((tensor, references))
+                now = time.monotonic()
+                self.prune(now)
+                self._held.append((now, tensor))
                 return
             detail = "the all-reduce was aborted"
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)

@@ -187,7 +187,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             with torch.enable_grad():
                 loss = closure()
         for b in self._buckets:
-            gather_grads(b, self._sparse_grads_ok, before_copy=self._schedule.complete_transfers)
+            gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers)
         found_inf = getattr(self, "found_inf", None)
         self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
         self._amp, skip_update = self._amp_for_step()
@@ -197,6 +197,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._step_atc(skip_update)
         written(self._buckets)
         note_in_flight(self._buckets, self._schedule.sending_parameters())
+        if self._schedule.all_reduce is not None:  # lets go of what the last all-reduces kept (exchange.bounded)
+            self._schedule.all_reduce.prune()
         self._closure = None
         self._note_state()
         return loss if self._closure_loss is None else self._closure_loss
@@ -318,7 +320,12 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Local gradient-norm clipping over the flat gradient buffers (torch.nn.utils.clip_grad_norm_
         semantics; parameters without a gradient are ignored)."""
-        return clip_grad_norm(self._buckets, max_norm, norm_type, self._sparse_grads_ok)
+        return clip_grad_norm(self._buckets, max_norm, norm_type, self._takes_sparse)
+
+    def _takes_sparse(self, b: Bucket) -> bool:
+        """Bucket b's sparse gradients may be densified: the class's update from them is torch's, and its group has
+        no weight decay (torch's SGD and Adagrad refuse sparse gradients with weight decay)."""
+        return self._sparse_grads_ok and not self.param_groups[b.group_index].get("weight_decay", 0)
 
     # ---------------------------------------------------------------------------------------- collectives
 

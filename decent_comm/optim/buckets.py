@@ -14,6 +14,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .flat_memory import flat_buffer
+from .shared_memory import check_no_shared_memory
 
 # Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
 # some parameters have gradients keep the CUDA kernels on their vectorized path.
@@ -119,7 +120,7 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
                 open_buckets[key] = b
             b.slots.append(Slot(p, b.numel, p.numel(), None if p.is_contiguous() or not _dense(p) else p.stride()))
             b.numel += size
-    _check_no_shared_memory([s.param for b in buckets for s in b.slots])
+    check_no_shared_memory([s.param for b in buckets for s in b.slots])
     for b in buckets:
         _materialize(b)
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
@@ -176,32 +177,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_no_shared_memory(params: List[torch.Tensor]) -> None:
-    """Refuses parameters whose elements share memory, with each other (two Parameters over one tensor) or within
-    one (an expanded, stride-0 tensor): torch.optim updates shared memory once per parameter through it (or refuses
-    the in-place write), while each slot of a bucket would be a copy of its own, the tensor they shared left behind.
-    (A Parameter used by several modules, weight tying, is one parameter and fine.)"""
-    spans = []
-    for i, p in enumerate(params):
-        if p.numel() == 0 or p.device.type == "meta":
-            continue
-        if any(st == 0 and sz > 1 for sz, st in zip(p.shape, p.stride())):
-            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) refers to some of its "
-                             "memory more than once (an expanded tensor): torch.optim cannot update it in place either;"
-                             " make it a tensor of its own (.contiguous()) before building the optimizer")
-        start = p.storage_offset() * p.element_size()
-        extent = 1 + sum((sz - 1) * st for sz, st in zip(p.shape, p.stride()))
-        spans.append((p.untyped_storage().data_ptr() + start, extent * p.element_size(), i, tuple(p.shape)))
-    spans.sort()
-    for (lo, size, *one), (lo2, _, *other) in zip(spans, spans[1:]):
-        if lo2 < lo + size:
-            (i, shape), (j, shape2) = sorted([one, other])
-            raise ValueError(f"parameters {i} and {j} (shapes {shape} and {shape2}) share memory: "
-                             "the optimizer lays each parameter out in a flat buffer of its own, so the tensor they "
-                             "share would no longer be updated. Tie weights by using one Parameter object in both "
-                             "places, not two Parameters over one tensor")
-
-
 def _materialize(b: Bucket) -> None:
     b.flat = b.new_flat()
     b.grad = b.new_flat()
@@ -247,7 +222,8 @@ def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Calla
                 if not sparse_ok:
                     raise RuntimeError(f"decent_comm: this optimizer does not support sparse gradients (parameter {i}"
                                        f" of bucket {b.index}, shape {tuple(s.param.shape)}), as torch.optim.Adam(W) "
-                                       "does not; use dense gradients (e.g. nn.Embedding(sparse=False)) or DSGD")
+                                       "does not, nor SGD or Adagrad with weight_decay; use dense gradients (e.g. "
+                                       "nn.Embedding(sparse=False)) or DSGD without weight decay")
                 g = g.to_dense()
             elif g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
                 continue
@@ -367,11 +343,12 @@ def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float, sparse_ok: bool) -> torch.Tensor:
+def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
+                   sparse_ok: Callable[[Bucket], bool]) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored)."""
     norms = []
     for b in buckets:
-        gather_grads(b, sparse_ok)
+        gather_grads(b, sparse_ok(b))
         for seg in segments(b, [0] * len(b.slots)):
             if seg.has_grad:
                 norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))

@@ -143,7 +143,8 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         # loaded): the step counts restart, so each parameter's first step with momentum is its step 0 again, on the
         # host and in the kernels that keep the counts on the device alike. torch.optim.SGD keeps no step count; ours
         # counts the steps since the buffer started.
-        if group["momentum"] != 0 and "momentum_buffer" not in b.state:
+        if group["momentum"] != 0 and "momentum_buffer" not in b.state and \
+                any(s.param.grad is not None for s in b.slots):  # (none for a frozen bucket, as torch)
             b.state_buffer("momentum_buffer")
             b.step_count.zero_()
             if b.classes is not None:

@@ -14,8 +14,8 @@ module whose forward pre-hook defers a bucket): ``torch.save(model.state_dict())
 (which applies every pending mix) once saved the unmixed point, and a resume lost that step's mix.
 
 Two ways around the assumption, and what catches them:
-* A forward without gradients (an evaluation under no_grad or inference_mode) may read parameters without running
-  their modules: nn.TransformerEncoder's inference fast path reads its layers' weights, a CLIP-style
+* An evaluation (a forward without gradients of a module in eval mode, or in inference_mode) may read parameters
+  without running their modules: nn.TransformerEncoder's inference fast path reads its layers' weights, a CLIP-style
   ``encode_image()`` method its projection. So the first hook of such a forward applies every pending mix (eval
   needs no overlap), and learns nothing: ownership comes from training forwards only (an evaluation through
   forward() followed by training through a ``loss()`` method had deferred buckets to a hook that never fired).
@@ -43,6 +43,7 @@ class MixBeforeUse:
         self._missing = {b.index: {id(s.param) for s in b.slots} for b in schedule.buckets}
         self._owned: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._distrusted: Set[int] = set()  # buckets a training forward used without their module's hook
+        self._covers: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._handles = []
         self._global = model is None
         if model is not None:
@@ -77,7 +78,10 @@ class MixBeforeUse:
         return out
 
     def _hook(self, module, args):
-        if not torch.is_grad_enabled():  # an evaluation: every pending mix now, nothing learned (module docstring)
+        evaluation = torch.is_inference_mode_enabled() or not (torch.is_grad_enabled() or module.training)
+        if evaluation and self._holds_ours(module):
+            # an evaluation: every pending mix now, nothing learned (module docstring); not a no_grad forward of a
+            # module in training mode (reentrant activation checkpointing), nor another model's (a frozen teacher)
             schedule = self._schedule()
             if schedule is not None and schedule.pending:
                 schedule.mix_pending()
@@ -85,6 +89,13 @@ class MixBeforeUse:
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
         self._mix_for(module, learn=True)
+
+    def _holds_ours(self, module) -> bool:
+        """Whether `module` or a module inside it holds one of the optimizer's parameters (cached per module)."""
+        held = self._covers.get(module)
+        if held is None:
+            held = self._covers[module] = any(id(p) in self._bucket_of for p in module.parameters())
+        return held
 
     def _state_dict_hook(self, module, prefix, keep_vars):
         self._mix_for(module, learn=False)  # buckets deferred to this module's forward: none before it ran
@@ -113,11 +124,13 @@ class MixBeforeUse:
         without the hooks of the modules holding it firing (a method other than forward(), a parameter read
         directly), so its gradient was taken before its mix: mixed at the end of step() from now on, and said."""
         buckets = self._schedule().buckets
-        late = [i for i in sorted(pending) if bool(buckets[i].grad.any())]  # (a rare path: the host read is fine)
+        used = {i: [s for s in buckets[i].slots if s.param.grad is not None and bool(s.param.grad.any())]
+                for i in sorted(pending)}  # (a rare path: the host reads are fine)
+        late = [i for i, slots in used.items() if slots]
         if not late:
             return
         self._distrusted.update(late)
-        shapes = [tuple(s.param.shape) for i in late for s in buckets[i].slots if s.param.grad is not None]
+        shapes = [tuple(s.param.shape) for i in late for s in used[i]]
         log.warning("decent_comm: ATC: parameters of shapes %s were used in a forward without the module holding "
                     "them running (a method other than forward(), or a parameter read directly), so this step's "
                     "gradient was taken before their mix; their buckets are mixed at the end of step() from now on",

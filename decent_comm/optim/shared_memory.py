@@ -1,0 +1,57 @@
+"""Parameters that share memory are refused before the buckets copy them apart: torch.optim updates memory that two
+Parameters share through each of them, while each slot of a bucket is a copy of its own."""
+
+from typing import List
+
+import torch
+
+
+def check_no_shared_memory(params: List[torch.Tensor]) -> None:
+    """Refuses parameters whose elements share memory, with each other (two Parameters over one tensor) or within
+    one (an expanded, stride-0 tensor): torch.optim updates shared memory once per parameter through it (or refuses
+    the in-place write), while each slot of a bucket would be a copy of its own, the tensor they shared left behind.
+    (A Parameter used by several modules, weight tying, is one parameter and fine; so are disjoint views of one
+    tensor, column halves included.)"""
+    spans = []
+    for i, p in enumerate(params):
+        if p.numel() == 0 or p.device.type == "meta":
+            continue
+        if any(st == 0 and sz > 1 for sz, st in zip(p.shape, p.stride())):
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) refers to some of its "
+                             "memory more than once (an expanded tensor): torch.optim cannot update it in place either;"
+                             " make it a tensor of its own (.contiguous()) before building the optimizer")
+        start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
+        extent = 1 + sum((sz - 1) * st for sz, st in zip(p.shape, p.stride()))
+        spans.append((start, start + extent * p.element_size(), i, p))
+    spans.sort(key=lambda span: span[:3])
+    active = []  # the spans still open at the current start: only these can share elements with it
+    for lo, hi, i, p in spans:
+        active = [a for a in active if a[1] > lo]
+        for _, _, j, q in active:
+            if _share_elements(p, q):
+                (i, shape), (j, shape2) = sorted([(i, tuple(p.shape)), (j, tuple(q.shape))])
+                raise ValueError(f"parameters {i} and {j} (shapes {shape} and {shape2}) share memory: the optimizer "
+                                 "lays each parameter out in a flat buffer of its own, so the tensor they share would "
+                                 "no longer be updated. Tie weights by using one Parameter object in both places, not "
+                                 "two Parameters over one tensor")
+        active.append((lo, hi, i, p))
+
+
+#: The span (elements) up to which two strided parameters whose spans overlap are compared element by element
+#: (a mask of that many bytes); beyond it they are taken to share memory.
+_EXACT_SPAN = 1 << 26
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b`, whose address spans overlap, have an element in common (column halves of one matrix
+    do not)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
+        return True
+    lo = min(a.storage_offset(), b.storage_offset())
+    span = max(t.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) for t in (a, b)) - lo
+    if span > _EXACT_SPAN:
+        return True
+    index = torch.arange(span, dtype=torch.int64)
+    mask = torch.zeros(span, dtype=torch.bool)
+    mask[index.as_strided(a.shape, a.stride(), a.storage_offset() - lo)] = True
+    return bool(mask[index.as_strided(b.shape, b.stride(), b.storage_offset() - lo)].any())
