@@ -45,8 +45,10 @@ _EXACT_SPAN = 1 << 26
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b`, whose address spans overlap, have an element in common (column halves of one matrix
     do not)."""
+    if a.device != b.device:  # other memories, whatever their addresses
+        return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
-        return True
+        return True  # two storages over one memory (from_numpy twice), or one read as two dtypes
     lo = min(a.storage_offset(), b.storage_offset())
     span = max(t.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) for t in (a, b)) - lo
     if span > _EXACT_SPAN:
