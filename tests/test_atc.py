@@ -259,18 +259,22 @@ def _clip_run(rank, n, give_model, evaluate_first, train_through_forward):
                            bucket_cap_mb=1e-6)  # a bucket per parameter: the projections' own are deferred
     g = torch.Generator().manual_seed(rank)
     if evaluate_first:
+        m.eval()
         with torch.no_grad():
             m(torch.randn(5, 4))
+        m.train()
     gaps = []
     for t in range(4):
         x = torch.randn(5, 4, generator=g)
         (m(x) if train_through_forward else m.loss(x)).backward()
         opt.step()
         opt.zero_grad()
+        m.eval()
         with torch.no_grad():  # an evaluation between steps, then the same after only applying the pending mix
             before = m.encode_image(x)
             opt.synchronize()
             gaps.append((before - m.encode_image(x)).abs().max().item())
+        m.train()
     opt.shutdown()
     return gaps, [p.detach().clone() for p in m.parameters()]
 
