@@ -21,8 +21,7 @@ def check_no_shared_memory(params: List[torch.Tensor]) -> None:
                              "memory more than once (an expanded tensor): torch.optim cannot update it in place either;"
                              " make it a tensor of its own (.contiguous()) before building the optimizer")
         start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
-        extent = 1 + sum((sz - 1) * st for sz, st in zip(p.shape, p.stride()))
-        spans.append((start, start + extent * p.element_size(), i, p))
+        spans.append((start, start + _extent(p) * p.element_size(), i, p))
     spans.sort(key=lambda span: span[:3])
     active = []  # the spans still open at the current start: only these can share elements with it
     for lo, hi, i, p in spans:
@@ -35,6 +34,11 @@ def check_no_shared_memory(params: List[torch.Tensor]) -> None:
                                  "no longer be updated. Tie weights by using one Parameter object in both places, not "
                                  "two Parameters over one tensor")
         active.append((lo, hi, i, p))
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from t's first to its last in memory (its strides are >= 0)."""
+    return 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
 
 
 #: The span (elements) up to which two strided parameters whose spans overlap are compared element by element
@@ -50,7 +54,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
         return True  # two storages over one memory (from_numpy twice), or one read as two dtypes
     lo = min(a.storage_offset(), b.storage_offset())
-    span = max(t.storage_offset() + 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) for t in (a, b)) - lo
+    span = max(t.storage_offset() + _extent(t) for t in (a, b)) - lo
     if span > _EXACT_SPAN:
         return True
     index = torch.arange(span, dtype=torch.int64)
