@@ -21,7 +21,7 @@ Two ways around the assumption, and what catches them:
   forward() followed by training through a ``loss()`` method had deferred buckets to a hook that never fired).
 * A training forward that reads a deferred bucket's parameters without running the module holding them (a method
   other than forward(), once forward() had run): the gradient is taken at the unmixed point. step() sees the
-  bucket's mix still pending while it has gradients (``distrust``): from then on that bucket is mixed at the end of
+  bucket's mix still pending while it has gradients (``distrust_used``): from then on that bucket is mixed at the end of
   step(), and a warning names it (that one step's gradient was taken at the unmixed point).
 """
 
