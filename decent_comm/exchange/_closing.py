@@ -8,8 +8,8 @@ thread that asks for the GIL during finalization with pthread_exit, whose unwind
 destructor is std::terminate ("terminate called without an active exception", issue #14.1).
 
 So every Exchanger and GroupAllReduce registers here when it is created (and every BoundedAllReduce, whose
-``shutdown()`` waits until gloo's workers let go of the last all-reduces' tensors it keeps for that reason), and is drained and closed
-(``shutdown()``, which also lets go of the process group) either when it is garbage collected (``__del__``:
+``shutdown()`` lets go of the tensors of its last all-reduces once gloo's workers surely have: bounded.HOLD_S), and
+is drained and closed (``shutdown()``, which also lets go of the process group) either when it is garbage collected (``__del__``:
 an optimizer local to ``main()`` dies when ``main`` returns, or later in a cyclic collection) or, if still
 alive then, by an atexit hook. Draining is safe at both points: every rank launched the same exchange, so
 each transfer in flight has its matching one posted on the peer.
