@@ -155,3 +155,12 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
         probe(opt)
     opt.shutdown()
     return err
+
+
+UTILITIES = {  # average_parameters and disagreement(all_reduce=True) share global_average's all_reduce_mean_
+    "global_average": lambda opt: opt.global_average().__enter__(),
+    "consensus_distance": lambda opt: opt.consensus_distance(),
+    "replica_variance": lambda opt: opt.replica_variance(),
+}
+EVERY_UTILITY = {**UTILITIES, "average_parameters": lambda opt: opt.average_parameters(),
+                 "disagreement": lambda opt: opt.disagreement(all_reduce=True)}

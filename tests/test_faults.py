@@ -5,7 +5,7 @@ machine was not available to time them). Each job is 3 ranks in separate process
 (decent_train.faults.launch), judged by decent_train.faults.verdict: every live rank ends in the expected error,
 naming the faulty rank (or option, bucket), within timeout + 5 s of the fault; no rank dies of a signal or hangs.
 
-Why these cells: the p2p case of "nan" (both modes) and the group case of "silent" are in test_optim_misuse.py; "late"
+Why these cells: the p2p case of "nan" (both modes) and the group case of "silent" are in test_optim_faults.py; "late"
 runs both paths because the group path creates process groups at construction (its own arrival barrier);
 "size" runs both because each path has its own agreement (the Exchanger's handshake, the group's store
 agreement); "options" does not depend on the path or mode (the start-up check runs before either exists);
