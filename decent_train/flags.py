@@ -59,6 +59,35 @@ def consensus_value(value: str):
     return a
 
 
+def count(least: int):
+    """argparse type: an integer >= least, named in the error (--steps 0 ran nothing and reported success; a negative
+    --gossip-every reached the optimizer's own check as a traceback on every rank)."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        return n
+    parse.__name__ = "integer" if least <= 0 else "positive integer"  # argparse names the type in its errors
+    return parse
+
+
+def number(least: float = 0.0, strictly: bool = False):
+    """argparse type: a float >= least (> least when strictly), NaN refused."""
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not (x > least if strictly else x >= least):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {'>' if strictly else '>='} {least:g}, got {value}")
+        return x
+    parse.__name__ = "number"
+    return parse
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: int, eval_every: int):
     """The flags every example takes; the example adds its model and data flags."""
     g = parser.add_argument_group("optimization")
@@ -74,15 +103,15 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="awc: communicate while adapting (exchange overlaps forward+backward; fastest when the network "
                         "is the bottleneck); atc: adapt then combine (exchange overlaps the forward; better loss at "
                         "equal steps, docs/quality_results.md)")
-    g.add_argument("--local-world-size", type=int, default=None,
+    g.add_argument("--local-world-size", type=count(1), default=None,
                    help="ranks per node for hierarchical topologies (aer); default: LOCAL_WORLD_SIZE from torchrun. "
                         "Smaller than --nproc_per_node emulates several nodes on one machine")
     g.add_argument("--consensus", type=consensus_value, default=1.0,
                    help="consensus factor a in W -> (1-a) I + a W, or 'adaptive' (a follows the lr schedule after warmup)")
-    g.add_argument("--gossip-every", type=int, default=1,
+    g.add_argument("--gossip-every", type=count(1), default=1,
                    help="decentralized: gossip every k-th step, local steps between (gossip_every; with --topology "
                         "complete: periodic averaging, one all-reduce of the parameters every k-th step)")
-    g.add_argument("--warmup-steps", type=int, default=0,
+    g.add_argument("--warmup-steps", type=count(0), default=0,
                    help="decentralized: all-reduce the gradients for the first N steps (DDP's update), then gossip "
                         "(warmup_steps; not the lr warmup, which is --warmup)")
     g.add_argument("--delayed-mix", action="store_true",
@@ -94,34 +123,34 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                            "bfloat16")
     wire.add_argument("--int8-wire", action="store_true",
                       help="decentralized: the 8-bit wire with error feedback (comm_dtype=torch.int8)")
-    g.add_argument("--steps", type=int, default=steps, help="optimizer steps in total (a resumed run continues to this)")
-    g.add_argument("--lr", type=float, default=None,
+    g.add_argument("--steps", type=count(1), default=steps, help="optimizer steps in total (a resumed run continues to this)")
+    g.add_argument("--lr", type=number(), default=None,
                    help="peak learning rate (default: the example's all-reduce lr for the optimizer family; "
                         "decentralized Adam-family runs scale it by sqrt(n), AccumAdam by sqrt(n / K): "
                         "decent_comm.decentralized_adam_hparams)")
     g.add_argument("--lr-schedule", choices=("constant", "cosine", "warmup-cosine"), default="warmup-cosine",
                    help="learning-rate schedule over --steps")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps of warmup-cosine (default: 30%% of --steps)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine schedules decay to this fraction of --lr")
-    g.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: 0 for SGD, else 0.01)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (dsgd, allreduce-sgd, decentralized-sgd)")
+    g.add_argument("--warmup", type=count(0), default=None, help="warmup steps of warmup-cosine (default: 30%% of --steps)")
+    g.add_argument("--min-lr-ratio", type=number(), default=0.1, help="cosine schedules decay to this fraction of --lr")
+    g.add_argument("--weight-decay", type=number(), default=None, help="weight decay (default: 0 for SGD, else 0.01)")
+    g.add_argument("--momentum", type=number(), default=0.9, help="SGD momentum (dsgd, allreduce-sgd, decentralized-sgd)")
     g.add_argument("--betas", type=lambda s: tuple(float(b) for b in s.split(",")), default=None,
                    help="Adam betas, 'beta1,beta2' (default 0.9,0.999; AccumAdam: per window, 0.9^K,0.999^K)")
-    g.add_argument("--accum-steps", type=int, default=4, help="AccumAdam(W): steps per moment-accumulation window")
-    g.add_argument("--grad-clip", type=float, default=1.0,
+    g.add_argument("--accum-steps", type=count(1), default=4, help="AccumAdam(W): steps per moment-accumulation window")
+    g.add_argument("--grad-clip", type=number(), default=1.0,
                    help="clip the gradient norm (allreduce: of the averaged gradient; decentralized: of each rank's "
                         "own gradient); 0: off")
-    g.add_argument("--batch-size", type=int, default=batch_size, help="batch size per rank")
+    g.add_argument("--batch-size", type=count(1), default=batch_size, help="batch size per rank")
     g.add_argument("--seed", type=int, default=0, help="model init seed; rank r draws data with a seed derived from (seed, r)")
 
     g = parser.add_argument_group("logging and checkpoints")
-    g.add_argument("--eval-every", type=int, default=eval_every,
+    g.add_argument("--eval-every", type=count(1), default=eval_every,
                    help="validate the global-average model (and measure consensus distance) every N steps")
-    g.add_argument("--log-every", type=int, default=10, help="record rank 0's training loss every N steps")
+    g.add_argument("--log-every", type=count(1), default=10, help="record rank 0's training loss every N steps")
     g.add_argument("--out", default=None, help="directory for the CSV/JSON logs and the PNG plot (rank 0)")
     g.add_argument("--checkpoint", default=None,
                    help="checkpoint directory: writes PATH/step_NNNNNNN/rank<r>.pt (one file per rank, replicas differ)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every N steps (default: --eval-every)")
+    g.add_argument("--checkpoint-every", type=count(1), default=None, help="checkpoint every N steps (default: --eval-every)")
     g.add_argument("--resume", default=None,
                    help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar (it is off anyway when not a tty)")
@@ -129,7 +158,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK with nccl when CUDA is available, else cpu with gloo")
-    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (1: ranks share the cores)")
+    g.add_argument("--threads", type=count(1), default=1, help="torch intra-op threads per rank (1: ranks share the cores)")
     g.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace of a few steps per rank to DIR/trace_rank<r>.json "
                         "(decent_train/profiling.py; bench/trace_picture.py draws it)")
@@ -153,6 +182,9 @@ def resolve_defaults(args, lr_defaults: Dict[str, float], world_size: int = 1):
     (dadam(w), accumadam(w), decentralized-adam(w)) that leaves --lr / --betas unset gets the all-reduce Adam
     values translated by decent_comm.decentralized_adam_hparams: lr x sqrt(n) (AccumAdam: sqrt(n / K)) and, for
     AccumAdam, per-window betas (0.9^K, 0.999^K)."""
+    if args.local_world_size is not None and world_size % args.local_world_size:
+        raise ValueError(f"--local-world-size {args.local_world_size} does not divide the {world_size} ranks of this "
+                         "job into nodes of equal size")
     family = optimizer_family(args.optimizer)
     if family == "accum" or args.optimizer in DECENTRALIZED_ADAM:
         hp = decent_comm.decentralized_adam_hparams(lr_defaults["adam"], world_size,

@@ -53,6 +53,29 @@ def test_flag_parsing():
         topology_name("foo")
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--steps", "0", "must be at least 1, got 0"),          # ran nothing and reported success
+    ("--gossip-every", "-2", "must be at least 1, got -2"),
+    ("--warmup-steps", "x", "expected an integer, got 'x'"),
+    ("--local-world-size", "0", "must be at least 1, got 0"),
+    ("--lr", "nan", "must be >= 0, got nan"),
+    ("--grad-clip", "-1", "must be >= 0, got -1"),
+    ("--corpus-mb", "0", "must be > 0, got 0"),
+    ("--heads", "0", "must be at least 1, got 0"),
+])
+def test_counts_and_amounts_out_of_range_are_named_by_the_parser(flag, value, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lm.parse_args([flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_local_world_size_must_divide_the_ranks():
+    assert _defaults(["--local-world-size", "2"], 4).local_world_size == 2
+    with pytest.raises(ValueError, match="--local-world-size 3 does not divide the 2 ranks of this job"):
+        _defaults(["--local-world-size", "3"], 2)
+
+
 def _defaults(argv, world_size):
     return resolve_defaults(lm.parse_args(argv), lm.LR_DEFAULTS, world_size)
 

@@ -16,7 +16,7 @@ import argparse
 import torch.nn as nn
 
 from .. import data
-from ..flags import add_common_args
+from ..flags import add_common_args, count
 from ..loop import run
 from ..task import Task
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     add_common_args(parser, steps=1000, batch_size=16, eval_every=100)
     g = parser.add_argument_group("model")
     g.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="network")
-    g.add_argument("--width", type=int, default=16, help="channels of the first conv layer (MLP: hidden / 4)")
+    g.add_argument("--width", type=count(1), default=16, help="channels of the first conv layer (MLP: hidden / 4)")
     return parser.parse_args(argv)
 
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import data
-from ..flags import add_common_args
+from ..flags import add_common_args, count, number
 from ..loop import run
 from ..task import Task
 
@@ -106,12 +106,13 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, steps=300, batch_size=16, eval_every=50)
     g = parser.add_argument_group("model and data")
-    g.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    g.add_argument("--d-model", type=int, default=128, help="model width")
-    g.add_argument("--heads", type=int, default=4, help="attention heads")
-    g.add_argument("--seq-len", type=int, default=64, help="context length in bytes")
-    g.add_argument("--corpus-mb", type=float, default=3.0, help="megabytes of stdlib source to use (train + held-out)")
-    g.add_argument("--eval-tokens", type=int, default=65536, help="held-out bytes scored at each evaluation")
+    g.add_argument("--layers", type=count(1), default=2, help="transformer blocks")
+    g.add_argument("--d-model", type=count(1), default=128, help="model width")
+    g.add_argument("--heads", type=count(1), default=4, help="attention heads")
+    g.add_argument("--seq-len", type=count(1), default=64, help="context length in bytes")
+    g.add_argument("--corpus-mb", type=number(0, strictly=True), default=3.0,
+                   help="megabytes of stdlib source to use (train + held-out)")
+    g.add_argument("--eval-tokens", type=count(1), default=65536, help="held-out bytes scored at each evaluation")
     return parser.parse_args(argv)
 
 

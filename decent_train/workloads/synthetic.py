@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from decent_comm.runtime_model.units import parse_count
 
-from ..flags import add_common_args
+from ..flags import add_common_args, count, number
 from ..loop import run
 from ..task import Task
 
@@ -125,11 +125,11 @@ def parse_args(argv=None):
     add_common_args(parser, steps=100, batch_size=8, eval_every=20)
     g = parser.add_argument_group("synthetic model")
     g.add_argument("--params", type=parse_count, default=1e6, help="parameters (e.g. 1M, 250k)")
-    g.add_argument("--layers", type=int, default=4, help="square blocks (DDP buckets form along them)")
-    g.add_argument("--classes", type=int, default=4, help="teacher classes")
-    g.add_argument("--compute-ms", type=float, default=100.0,
+    g.add_argument("--layers", type=count(1), default=4, help="square blocks (DDP buckets form along them)")
+    g.add_argument("--classes", type=count(2), default=4, help="teacher classes")
+    g.add_argument("--compute-ms", type=number(), default=100.0,
                    help="forward + backward time per step (sleep; 1/3 forward, 2/3 backward)")
-    g.add_argument("--eval-samples", type=int, default=1024, help="validation samples (all ranks together)")
+    g.add_argument("--eval-samples", type=count(1), default=1024, help="validation samples (all ranks together)")
     return parser.parse_args(argv)
 
 
