@@ -15,7 +15,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 import decent_comm
 from decent_comm.exchange import GossipExchange
