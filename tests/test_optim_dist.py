@@ -211,6 +211,32 @@ def test_param_groups_scheduler_unused_and_frozen_parameters():
     assert not torch.equal(res[0]["a"], res[1]["a"])
 
 
+def _adaptive_consensus_under_a_scheduler(rank, n, mode):
+    x = torch.nn.Parameter(torch.zeros(3))
+    consensus = decent_comm.AdaptiveConsensus(p=1)
+    opt = decent_comm.DSGD([x], lr=1.0, topology="ring", mode=mode, consensus=consensus, timeout=30)
+    with torch.no_grad():
+        x.fill_(rank)  # after the construction's broadcast: replicas 0 and 1, whose mean is 0.5
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # sets lr 0.5 at its construction, for every step
+    for _ in range(2):
+        opt.zero_grad()
+        (0 * x).sum().backward()
+        opt.step()
+    opt.synchronize()
+    opt.shutdown()
+    return consensus.lr_at_start, x.detach().clone()
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_adaptive_consensus_starts_from_the_lr_of_step_0_that_a_scheduler_set(mode):
+    """lr_t / lr_at_start is 1 at every step here, so each round's factor is 1 and one round makes the 2 replicas
+    equal (W = 1/2 everywhere). Built before the scheduler, the optimizer recorded its constructor's lr (1.0) as
+    the lr at start, and mixed with factor 0.5: the replicas stayed apart."""
+    for lr_at_start, x in run_ranks(_adaptive_consensus_under_a_scheduler, 2, mode, timeout=120):
+        assert lr_at_start == 0.5
+        assert torch.equal(x, torch.full((3,), 0.5)), x
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 

@@ -47,8 +47,6 @@ class GossipSchedule(ScheduleCheckpoint):
     def __init__(self, buckets, topology, *, mode: str, rank: int, world_size: int, process_group, consensus,
                  lr: Callable[[], float], comm_dtype=None, timeout=None, exchange: str = "auto",
                  track_disagreement: bool = False, check_finite: bool = False, cadence: Cadence = Cadence()):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.buckets = buckets
         self.topology = topology
         self.mode = mode
@@ -56,7 +54,8 @@ class GossipSchedule(ScheduleCheckpoint):
         self.process_group = process_group
         self.consensus = consensus
         self._lr = lr
-        consensus_factor(consensus, 0, lr())  # validate early
+        if not hasattr(consensus, "factor"):  # validated early; a schedule object is not called here: it records
+            consensus_factor(consensus, 0, lr())  # the lr of its first call, step 0's (a scheduler may change it yet)
         self.comm_dtype = comm_dtype
         self.check_finite = bool(check_finite)
         self.cadence = cadence
