@@ -175,11 +175,7 @@ def bench_mix(device, sizes, ks, nb_dtypes, repeats):
                 t = time_all(device, fns, repeats)
                 copy_bw = roofline_bandwidth(n, t, reads=k + 1, writes=1)
                 gbs = min_bytes / t["ours"] / 1e9
-                rows.append(dict(
-                    op="gossip_mix_", n=n, k=k, nb_dtype=str(nb_dtype).replace("torch.", ""),
-                    seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9, pct_roofline=100 * gbs / (copy_bw / 1e9),
-                    speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
-                ))
+                rows.append(result_row("gossip_mix_", n, k, str(nb_dtype).replace("torch.", ""), t, gbs, copy_bw))
                 print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -217,11 +213,7 @@ def bench_fused_update(device, sizes, ks, repeats, op, baseline, make_torch, mak
                                   **roofline_kernels(x_copy, srcs)}, repeats)
             copy_bw = roofline_bandwidth(n, t, reads=2 + n_state + k, writes=1 + n_state)
             gbs = n * 4 * (3 + 2 * n_state + k) / t["ours"] / 1e9  # the minimum bytes: see the docstring
-            rows.append(dict(
-                op=op, n=n, k=k, nb_dtype="float32", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
-                pct_roofline=100 * gbs / (copy_bw / 1e9),
-                speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
-            ))
+            rows.append(result_row(op, n, k, "float32", t, gbs, copy_bw))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -293,13 +285,17 @@ def bench_int8_mix(device, sizes, ks, repeats):
                 del roof
                 copy_bw = max(roof_bytes[name] / t.pop(name) for name in roof_bytes)
                 gbs = (base_bytes + wire_bytes) / t["ours"] / 1e9
-                rows.append(dict(
-                    op=op, n=n, k=k, nb_dtype="int8", seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
-                    pct_roofline=100 * gbs / (copy_bw / 1e9),
-                    speedup={name: t[name] / t["ours"] for name in t if name != "ours"},
-                ))
+                rows.append(result_row(op, n, k, "int8", t, gbs, copy_bw))
                 print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def result_row(op, n, k, nb_dtype, t, gbs, copy_bw):
+    """One measured row: `t` the seconds of "ours" and of each baseline, `gbs` ours in GB/s, `copy_bw` the
+    roofline's bytes/s."""
+    return dict(op=op, n=n, k=k, nb_dtype=nb_dtype, seconds=t, gbps=gbs, roofline_gbps=copy_bw / 1e9,
+                pct_roofline=100 * gbs / (copy_bw / 1e9),
+                speedup={name: t[name] / t["ours"] for name in t if name != "ours"})
 
 
 def format_row(r):

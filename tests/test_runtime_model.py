@@ -253,10 +253,10 @@ def test_processor_sharing_matches_reference():
         rows.append(np.concatenate([a, np.full(6 - k, np.inf)]))
         refs.append(_ps_reference(list(a), 1.0))
         counts.append(k)
-    dep = _processor_sharing(np.array(rows), np.ones(50), np.array(counts))
+    dep = _processor_sharing(np.array(rows), np.ones(50))
     for r, ref, k in zip(dep, refs, counts):
         assert np.allclose(r[:k], ref)
-    assert np.allclose(_processor_sharing(np.zeros((1, 4)), np.array([2.0]), np.array([4])), 8.0)
+    assert np.allclose(_processor_sharing(np.zeros((1, 4)), np.array([2.0])), 8.0)
 
 
 @pytest.mark.parametrize("name", STATIC + ["aer"])

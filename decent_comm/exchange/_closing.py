@@ -9,10 +9,11 @@ destructor is std::terminate ("terminate called without an active exception", is
 
 So every Exchanger and GroupAllReduce registers here when it is created (and every BoundedAllReduce, whose
 ``shutdown()`` lets go of the tensors of its last all-reduces once gloo's workers surely have: bounded.HOLD_S), and
-is drained and closed (``shutdown()``, which also lets go of the process group) either when it is garbage
-collected (``__del__``: an optimizer local to ``main()`` dies when ``main`` returns, or later in a cyclic
-collection) or, if still alive then, by an atexit hook. Draining is safe at both points: every rank launched
-the same exchange, so each transfer in flight has its matching one posted on the peer.
+is drained and closed (``shutdown()``, which also lets go of the process group) either when it is garbage collected
+(``__del__``: an optimizer local to ``main()`` dies when ``main`` returns, or later in a cyclic collection; a
+BoundedAllReduce, with nothing in flight, is only released then) or, if still alive then, by an atexit hook.
+Draining is safe at both points: every rank launched the same exchange, so each transfer in flight has its matching
+one posted on the peer.
 
 The atexit hook is registered when the first exchanger is created, i.e. after torch and the process group
 are set up, so it runs before every atexit hook registered earlier (atexit is LIFO; torch registers none

@@ -1,7 +1,8 @@
 """``BoundedAllReduce``: the blocking whole-group all-reduces an optimizer runs inside step() - the warm-up's
 gradient average, an adaptive topology's statistics - held to the same `timeout` as the gossip itself.
 
-    all_reduce = BoundedAllReduce(process_group, timeout=5)   # collective (an arrival barrier)
+    all_reduce = BoundedAllReduce(process_group, timeout=5, owner="optimizer")  # collective (an arrival barrier);
+                                                              # owner: what its messages call the caller
     all_reduce(tensor, "the warm-up gradient average")        # sum in place, or raise within timeout
 
 dist.all_reduce waits for the process group's own timeout (gloo: 30 min) for a rank that stopped stepping, so a
@@ -80,14 +81,16 @@ def _crc(text: str) -> float:
 
 
 class BoundedAllReduce:
-    def __init__(self, process_group=None, *, timeout: Optional[float] = None, device=None):
+    def __init__(self, process_group=None, *, timeout: Optional[float] = None, device=None,
+                 owner: str = "bounded all-reduce"):
+        self.owner = owner  # what the messages call the object that runs these all-reduces ("optimizer")
         self.group = process_group  # None: the default group, looked up at each call (see above)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout = None if timeout is None else float(timeout)
         self.gloo = "nccl" not in str(dist.get_backend(self.group))
         self.bounded = self.timeout is not None and self.gloo
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        namespace = wait_for_ranks(self.group, self.timeout, "setting up the optimizer's all-reduces")
+        namespace = wait_for_ranks(self.group, self.timeout, f"setting up the {owner}'s all-reduces")
         self._namespace = namespace  # the same on every rank, and distinct per object: tells two objects apart
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
@@ -130,7 +133,7 @@ class BoundedAllReduce:
 
     def _check_usable(self, what: str):
         if self._closed:
-            raise RuntimeError(f"decent_comm: {what}: the optimizer was shut down (shutdown() released its "
+            raise RuntimeError(f"decent_comm: {what}: the {self.owner} was shut down (shutdown() released its "
                                f"process group)")
         if self._error is not None:
             raise ExchangeError(f"decent_comm: {what}: unusable after an earlier error; the error was: {self._error}")
@@ -159,7 +162,7 @@ class BoundedAllReduce:
             pass
         for r, row in enumerate(rows):
             if row[0] != rows[self.rank][0] and sides[r] is not None:  # another object of this process group
-                sides[r] = (sides[r][0] + " (of another optimizer)",) + sides[r][1:]
+                sides[r] = (sides[r][0] + f" (of another {self.owner})",) + sides[r][1:]
         listed = "; ".join(f"rank {r}{' (this rank)' if r == self.rank else ''}: "
                            + (f"{s[0]}, label {s[1]}, {s[2]} tensors of {s[3]} elements" if s else "(unknown)")
                            for r, s in sides.items())

@@ -7,7 +7,7 @@ before its exchange is launched; ATC: during the step, before its exchange). See
 """
 
 import logging
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -15,21 +15,6 @@ from ..topology import Adaptive, AdaptStats
 from .diagnostics import announce
 
 log = logging.getLogger("decent_comm")
-
-
-def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """||a - b||^2 as a float64 device scalar (accumulated in float32 for lower-precision storage)."""
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(a - b, dtype=acc).double() ** 2
-
-
-def sum_scalars(vals: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    if not vals:
-        return None
-    total = vals[0]
-    for v in vals[1:]:
-        total = total + v.to(total.device)
-    return total
 
 
 class AdaptiveDriver:

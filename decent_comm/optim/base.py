@@ -22,7 +22,7 @@ import torch
 
 from .. import ops
 from . import amp, diagnostics
-from .adaptation import sq_dist, sum_scalars
+from .device_scalars import sq_dist, sum_scalars
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
                       check_unwritten, note_in_flight, segments, spread_count, written, zero_grads)
 from .checkpointing import StateDictMixin

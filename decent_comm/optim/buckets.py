@@ -338,10 +338,6 @@ def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
     return {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
 
 
-def bucket_nbytes(b: Bucket, dtype: Optional[torch.dtype] = None) -> int:
-    return b.numel * (dtype or b.dtype).itemsize
-
-
 @torch.no_grad()
 def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
                    sparse_ok: Callable[[Bucket], bool]) -> torch.Tensor:

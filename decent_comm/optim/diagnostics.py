@@ -9,6 +9,7 @@ import torch
 from ..exchange.arrival import ranks_text
 from ..exchange.bounded import CollectiveMismatch
 from .buckets import adopt_storage
+from .device_scalars import sum_scalars
 
 log = logging.getLogger("decent_comm")
 
@@ -43,13 +44,8 @@ class DisagreementMeter:
 
     def total(self) -> torch.Tensor:
         """Sum over every slot, as a device scalar (no host sync)."""
-        parts = [buf.sum() for buf in self._buf.values()]
-        if not parts:
-            return torch.zeros(())
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p.to(total.device)
-        return total
+        total = sum_scalars([buf.sum() for buf in self._buf.values()])
+        return torch.zeros(()) if total is None else total
 
     def finish(self, step: int):
         """A mix is complete: its value is the one reported from now on."""

@@ -18,7 +18,7 @@ _DOC_OPTIONS = """
         topology: a built-in name (decent_comm.topology.NAMES), a decent_comm.topology.Topology, or a mixing
             matrix / list of matrices (time-varying, cycled).
         mode: "awc" (communicate while adapting; the exchange overlaps the next forward+backward) or "atc"
-            (adapt then combine; the exchange overlaps the next forward when `model` is given). ATC averages each
+            (adapt then combine; the exchange overlaps the next forward, with or without `model`). ATC averages each
             step before the next gradient, so replicas stay closer and, at equal steps, the loss is better
             (train_lm: within 2% of all-reduce where AWC trails by up to 11%, docs/quality_results.md); AWC hides
             more communication.

@@ -129,7 +129,7 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
     return a
 
 
-def scan_groups(topology: Topology, world_size: int) -> Dict[int, List[Tuple[int, ...]]]:
+def scan_groups(topology: Topology) -> Dict[int, List[Tuple[int, ...]]]:
     """step in the period -> the step's averaging groups of >= MIN_ALLREDUCE_GROUP ranks (steps without: absent)."""
     table = {}
     for t in range(topology.period):
@@ -161,7 +161,7 @@ class GroupSteps:
         parts = topology.candidates if isinstance(topology, Adaptive) else [topology]
         if any(p.period * world_size > MAX_SCAN for p in parts):
             return None
-        tables = [scan_groups(p, world_size) for p in parts]
+        tables = [scan_groups(p) for p in parts]
         return cls(topology, rank, tables) if any(tables) else None
 
     @property

@@ -89,8 +89,8 @@ class GossipSchedule(ScheduleCheckpoint):
         # The whole-group all-reduces (inside step(): warm-up gradients, adaptive statistics; the collective
         # utilities: global_average, consensus_distance, ...) raise within `timeout` like the gossip does, instead
         # of waiting for the process group's own (gloo: 30 min).
-        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout),
-                                           device=self.device) if world_size > 1 else None
+        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout), device=self.device,
+                                           owner="optimizer") if world_size > 1 else None
         self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite,
                                     cadence) if world_size > 1 else None
         self.adaptive = None
@@ -129,8 +129,7 @@ class GossipSchedule(ScheduleCheckpoint):
 
     def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None) -> bool:
         """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
-        identical). A blocking all-reduce per bucket, plus one of `found_inf` so every rank skips an overflow
-        together. Returns whether this step is a warm-up step."""
+        identical; warmup.WarmupAverage.average). Returns whether this step is a warm-up step."""
         if not self.cadence.in_warmup(step):
             return False
         if self.warmup is not None:

@@ -53,7 +53,7 @@ def usable_timeout(timeout):
 
 
 #: the wire dtypes the mix kernels read (float8 ones they do not)
-WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8)
+COMM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8)
 
 
 def check_options(*, timeout, comm_dtype, model=None):
@@ -67,7 +67,7 @@ def check_options(*, timeout, comm_dtype, model=None):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
                 or seconds <= 0:
             raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
-    if comm_dtype is not None and comm_dtype not in WIRE_DTYPES:
+    if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
         raise ValueError(f"comm_dtype must be None, torch.float32, torch.float64, torch.bfloat16, torch.float16 or "
                          f"torch.int8 (the 8-bit wire with error feedback), got {comm_dtype!r}")
 

@@ -146,7 +146,7 @@ def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
 
 @torch.no_grad()
 def gather_named_state(buckets: List[Bucket], state, name: str) -> None:
-    """After loading, opt.state[p][name] into each bucket's flat buffer `name` (load_state has put the fused
+    """After loading, opt.state[p][name] into each bucket's flat buffer `name` (write_state has put the fused
     optimizers' there already, as views; a wrapped optimizer holds loose tensors)."""
     for b in buckets:
         parts = [(s, state.get(s.param, {}).get(name)) for s in b.slots]

@@ -20,8 +20,8 @@ class WarmupAverage:
     @traced("warmup_allreduce")
     @torch.no_grad()
     def average(self, step: int, found_inf: Optional[torch.Tensor]):
-        """Replaces every bucket's gradient by the mean over the ranks: one all-reduce per bucket, plus one of
-        `found_inf` so every rank skips an overflow together.
+        """Replaces every bucket's gradient by the mean over the ranks: one all-reduce per bucket, plus one of the
+        count of the ranks that have each gradient, and one of `found_inf` so every rank skips an overflow together.
 
         DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
         gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like

@@ -6,7 +6,7 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from .adaptation import sq_dist, sum_scalars
+from .device_scalars import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
 from .tracing import traced

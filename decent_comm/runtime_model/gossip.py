@@ -10,7 +10,7 @@ Transfers sharing a link share its bandwidth, so a message ``j -> i`` takes::
     D_i(t) = max over i's incoming messages (0 without peers)
 
 ``egress_u`` / ``ingress_u``: inter-node messages leaving / entering node
-``u`` (all its ranks share one NIC: per-node bytes, ``loads.step_links``);
+``u`` (all its ranks share one NIC: per-node bytes, ``loads.StepLinks``);
 ``send_j`` / ``recv_i``: intra-node messages of a rank.  The per-rank
 maxima over ranks agree with ``decent_comm.topology.comm_cost``; the
 per-node sums are what ``comm_cost`` does not give.

@@ -76,7 +76,7 @@ def _torus(topo: Torus) -> Messages:
                               r * b + (c - 1) % b], axis=1))
 
 
-def _pairs(n: int, partner: np.ndarray) -> Messages:
+def _pairs(partner: np.ndarray) -> Messages:
     """Matching: ``partner[i]`` (or -1) with weight 1/2 each; unpaired ranks keep 1."""
     dst = np.flatnonzero(partner >= 0)
     return Messages(np.where(partner >= 0, 0.5, 1.0), partner[dst], dst, np.full(dst.size, 0.5))
@@ -88,14 +88,14 @@ def _one_peer_ring(topo: OnePeerRing, step: int) -> Messages:
     j = np.where((r - h) % 2 == 0, r + 1, r - 1)
     j = np.where(j == n, 0 if n % 2 == 0 else -1, j)          # the wrap-around pair exists for even n only
     j = np.where(j < 0, n - 1 if n % 2 == 0 else -1, j)
-    return _pairs(n, np.where(j == r, -1, j))
+    return _pairs(np.where(j == r, -1, j))
 
 
 def _hypercube(topo: OnePeerHypercube, step: int) -> Messages:
     """Rank i pairs with ``i XOR 2^(step mod period)`` (no partner when n = 1)."""
     n = topo.world_size
     r = np.arange(n, dtype=np.int64)
-    return _pairs(n, r ^ (1 << (step % topo.period)) if n > 1 else np.full(n, -1, dtype=np.int64))
+    return _pairs(r ^ (1 << (step % topo.period)) if n > 1 else np.full(n, -1, dtype=np.int64))
 
 
 def group_messages(n: int, members: np.ndarray, sizes: np.ndarray) -> Messages:

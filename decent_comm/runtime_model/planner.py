@@ -14,8 +14,8 @@ closed form).  If no gossip candidate reaches the threshold, all of them
 compete.  All-Reduce (exact averaging, gap 1) wins when nothing beats it.
 
 **Time to quality.**  Step time is not what a user buys: ``Plan.quality`` prices recipes (All-Reduce,
-periodic averaging, and the fastest eligible one-peer topology, else gossip topology, with an interval, delayed
-mix and bf16 wire) by
+periodic averaging, and the fastest eligible one-peer topology, else gossip topology, with its mode, wire
+(bf16 / int8), interval and delayed mix) by
 their predicted time to All-Reduce's loss, step time x a measured steps multiplier (``quality``), and
 ``Plan.quality[0]`` is the cheapest: the configuration to train with when the goal is a given loss soonest.
 

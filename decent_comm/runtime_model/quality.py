@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from .workload import WIRE_DTYPES
+
 #: bytes per parameter on the wire of a recipe (int8: one byte plus a float32 scale per 512)
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 512}
+WIRE_BYTES = {wire: float(WIRE_DTYPES[wire]) for wire in ("fp32", "bf16", "int8")}
 TIE_MARGIN = 0.05
 WIRE_OPTION = {"fp32": None, "bf16": "comm_dtype=torch.bfloat16", "int8": "comm_dtype=torch.int8"}
 

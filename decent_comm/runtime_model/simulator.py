@@ -129,12 +129,12 @@ def _plan_step(links, cluster, B: float) -> _StepPlan:
     return _StepPlan(F, src, lat, e_res, e_dur, e_src, two, recv_ranks, recv_starts)
 
 
-def _processor_sharing(arr: np.ndarray, dur: np.ndarray, count: np.ndarray) -> np.ndarray:
+def _processor_sharing(arr: np.ndarray, dur: np.ndarray) -> np.ndarray:
     """Exact departure times of equal-size jobs under processor sharing, many servers at once.
 
-    ``arr``: ``(R, m)`` sorted arrival times per server (padded with +inf),
-    ``dur``: ``(R,)`` service time of one job alone, ``count``: jobs per
-    server.  All present jobs of a server get an equal share of it, so with
+    ``arr``: ``(R, m)`` sorted arrival times per server (padded with +inf:
+    a server's job count), ``dur``: ``(R,)`` service time of one job alone.
+    All present jobs of a server get an equal share of it, so with
     equal sizes they leave in arrival order; virtual time ``V`` (the service
     one present job has received) grows at ``1 / present`` and job ``j``
     leaves when ``V`` reaches ``V(arr_j) + dur``.  One event loop vectorised
@@ -207,7 +207,7 @@ def _serve(plan: _StepPlan, start_rank: np.ndarray, free_at: np.ndarray) -> np.n
         pos = sel - gstart[gid[sel]]
         arr = np.full((stag.size, m), np.inf)
         arr[row_of[gid[sel]], pos] = s[sel]
-        dep = _processor_sharing(arr, dur[gstart[stag]], counts[stag])
+        dep = _processor_sharing(arr, dur[gstart[stag]])
         fin[sel] = dep[row_of[gid[sel]], pos]
     free_at[r[gend]] = fin[gend]
     e_fin = np.empty_like(fin)
