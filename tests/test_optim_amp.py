@@ -154,3 +154,46 @@ def _gossip_steps_read_nothing(rank, n, mode):
 def test_gossip_step_under_grad_scaler_reads_nothing_on_the_host(mode):
     """With neighbours too: the exchange schedule decides from host counters, never from a tensor's value."""
     assert run_ranks(_gossip_steps_read_nothing, 2, mode, timeout=120) == ["ok", "ok"]
+
+
+def _expert_without_tokens_on_one_rank(rank, n):
+    torch.manual_seed(0)
+    trunk, expert = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opts = [decent_comm.DAdamW(m.parameters(), lr=1e-2, warmup_steps=3, timeout=30) for m in (trunk, expert)]
+    scaler = torch.amp.GradScaler("cpu")
+    for t in range(3):
+        h = trunk(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * t + rank)))
+        if rank != 2 or t == 1:  # rank 2 routes no token to the expert at steps 0 and 2
+            h = h + expert(h)
+        scaler.scale(h.pow(2).mean()).backward()
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+    return [p.detach().clone() for m in (trunk, expert) for p in m.parameters()]
+
+
+def test_a_rank_whose_optimizer_has_no_gradient_under_grad_scaler_takes_the_warmup_average():
+    """GradScaler hands an optimizer without any gradient found_inf = 0, an int: that rank announced its warm-up
+    average without the overflow flag, the others with it, and every rank raised a mismatch. The warm-up is DDP's
+    update (a rank without a gradient adds zeros): torch's AdamW on the ranks' mean gradients, the reference."""
+    torch.manual_seed(0)
+    trunk, expert = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    params = [*trunk.parameters(), *expert.parameters()]
+    ref = torch.optim.AdamW(params, lr=1e-2)
+    for t in range(3):
+        grads = [torch.zeros_like(p) for p in params]
+        for r in range(3):
+            h = trunk(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * t + r)))
+            if r != 2 or t == 1:
+                h = h + expert(h)
+            for g, d in zip(grads, torch.autograd.grad(h.pow(2).mean(), params, allow_unused=True)):
+                if d is not None:
+                    g += d / 3
+        for p, g in zip(params, grads):
+            p.grad = g
+        ref.step()
+    for got in run_ranks(_expert_without_tokens_on_one_rank, 3, timeout=120):
+        for a, b in zip(got, params):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)

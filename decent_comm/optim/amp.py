@@ -32,6 +32,16 @@ class KernelAmp:
         return dict(grad_scale=self.grad_scale, found_inf=self.found_inf)
 
 
+def overflow_flag(found_inf, device: torch.device) -> Optional[torch.Tensor]:
+    """GradScaler's found_inf as a tensor. It is the sum of the optimizer's per-device flags, which is the int 0
+    when no parameter of this optimizer had a gradient on this rank (an expert no token was routed to): then a
+    zero flag on `device`, so that this rank averages the same warm-up batch as the ranks that have one (it
+    announced a batch without the flag, and every rank raised a mismatch) and its kernels take it as theirs do."""
+    if found_inf is None or torch.is_tensor(found_inf):
+        return found_inf
+    return torch.full((), float(found_inf), dtype=torch.float32, device=device)
+
+
 def _kernel_scalar(t, device: torch.device) -> bool:
     return torch.is_tensor(t) and t.dtype == torch.float32 and t.numel() == 1 and t.device == device
 

@@ -142,10 +142,10 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
 
     # ---------------------------------------------------------------------------------------------- step
 
-    def _amp_for_step(self):
-        """GradScaler's scalars (decent_comm.optim.amp): those the kernels read (or None), and whether the host
-        path says to skip this step's update."""
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+    def _amp_for_step(self, found_inf: Optional[torch.Tensor]):
+        """GradScaler's scalars (decent_comm.optim.amp; found_inf as amp.overflow_flag made it): those the kernels
+        read (or None), and whether the host path says to skip this step's update."""
+        grad_scale = getattr(self, "grad_scale", None)
         in_kernel = amp.kernel_amp(grad_scale, found_inf, [b.device for b in self._buckets]) \
             if self._amp_in_kernel else None
         if in_kernel is not None:
@@ -188,9 +188,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                 loss = closure()
         for b in self._buckets:
             gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers)
-        found_inf = getattr(self, "found_inf", None)
-        self._schedule.average_gradients(self._schedule.t, found_inf if torch.is_tensor(found_inf) else None)
-        self._amp, skip_update = self._amp_for_step()
+        found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
+        self._schedule.average_gradients(self._schedule.t, found_inf)
+        self._amp, skip_update = self._amp_for_step(found_inf)
         if self.mode == "awc":
             self._step_awc(skip_update)
         else:
