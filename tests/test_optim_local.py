@@ -300,3 +300,27 @@ def test_dsgd_allocates_no_momentum_buffer_for_a_bucket_without_gradients():
         lin(torch.ones(2, 3)).sum().backward()
         opt.step()
     assert ["momentum_buffer" in b.state for b in opt._buckets] == [True, False]
+
+
+@pytest.mark.parametrize("give_model", [True, False], ids=["model", "no-model"])
+def test_a_compiled_model_compiles_once_as_with_torch_optimizers_when_model_is_given(give_model):
+    """Without model= a global forward pre-hook watches for a DDP wrap until the first step; its removal changed
+    what Dynamo guards on, so the model compiled twice (torch.optim.AdamW: once). With model= there is no such
+    hook; without it the second compile stays, documented."""
+    import torch._dynamo.utils as dynamo_utils
+    graphs = []
+    for ours in (True, False):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        opt = decent_comm.DAdamW(model.parameters(), model=model if give_model else None) if ours \
+            else torch.optim.AdamW(model.parameters())
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            compiled(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == 1
+    assert graphs[0] == (1 if give_model else 2), graphs

@@ -271,14 +271,17 @@ _DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, w
 
 class DDPGuard:
     """Refuses a model left wrapped in DDP: at construction when it is passed as `model=`, else at its first
-    forward (a global forward pre-hook, removed at the optimizer's first step() or with the optimizer)."""
+    forward (a global forward pre-hook, removed at the optimizer's first step() or with the optimizer). Not with
+    `model=`: that hook's removal changes what torch.compile guards on, which recompiled a compiled model once."""
 
     def __init__(self, owner, buckets, model=None):
         self._ours = {id(s.param) for b in buckets for s in b.slots}
+        self._handle = None
         if isinstance(model, DistributedDataParallel):
             raise RuntimeError(_DDP_MESSAGE)
-        self._handle = register_module_forward_pre_hook(self._hook)
-        weakref.finalize(owner, self._handle.remove)
+        if model is None:
+            self._handle = register_module_forward_pre_hook(self._hook)
+            weakref.finalize(owner, self._handle.remove)
 
     def _hook(self, module, args):
         if isinstance(module, DistributedDataParallel) and any(id(p) in self._ours for p in module.parameters()):
