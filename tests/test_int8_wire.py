@@ -157,6 +157,73 @@ def test_resume_is_exact(mode, delayed):
     assert max(run_ranks(_resume, 4, mode, delayed, timeout=120)) == 0.0
 
 
+def _rank0_state_on_every_rank(rank, n, wire):
+    import logging
+    import torch.distributed as dist
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring", comm_dtype=wire, timeout=30)
+    train_steps(rank, model, opt, 3)
+    states = [None] * n
+    dist.all_gather_object(states, opt.state_dict())
+    saved = states[0]
+    saved["param_groups"][0].pop("decentralized")  # as the refusal of another rank's state_dict advises
+    opt.shutdown()
+    model = make_model(rank)  # a new run (its copies zero) resuming from rank 0's moments on every rank
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring", comm_dtype=wire, timeout=30)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    opt.load_state_dict(saved)
+    for g in opt.param_groups:
+        g["lr"] = 0.0  # from here on only the gossip moves the parameters: their mean over the ranks stays
+    mean = lambda: gather_mean(model, n)  # noqa: E731
+    before = mean()
+    train_steps(rank, model, opt, 10, start=3)
+    opt.synchronize()
+    drift = (mean() - before).abs().max().item()
+    opt.shutdown()
+    return drift, any("restarts them from zero" in m for m in logged)
+
+
+def gather_mean(model, n):
+    import torch.distributed as dist
+    x = flat_params(model).double()
+    dist.all_reduce(x)
+    return x / n
+
+
+@pytest.mark.parametrize("wire", [torch.int8, None])
+def test_another_ranks_state_without_its_schedule_entry_keeps_the_replicas_mean(wire):
+    """Every rank loading rank 0's state_dict with its 'decentralized' entry dropped took in rank 0's int8 copies
+    under rank 0's names: the two ends of an edge held other copies, and at lr 0 the replicas' mean moved by 1.08
+    in 10 steps. Without the entry the copies cannot be told to be this rank's: they restart, logged."""
+    for drift, restarted in run_ranks(_rank0_state_on_every_rank, 3, wire, timeout=120):
+        assert drift < 1e-6, drift
+        assert restarted == (wire is not None)
+
+
+def _int8_state_into_another_wire(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", comm_dtype=torch.int8, timeout=30)
+    train_steps(rank, model, opt, 2)
+    saved = opt.state_dict()
+    opt.shutdown()
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", comm_dtype=torch.bfloat16, timeout=30)
+    opt.load_state_dict(saved)
+    train_steps(rank, model, opt, 1, start=2)
+    names = {k for st in opt.state_dict()["state"].values() for k in st}
+    opt.shutdown()
+    return sorted(names)
+
+
+def test_int8_copies_loaded_without_the_int8_wire_are_dropped():
+    """They were kept as flat buffers for good (3 parameter-sized copies on a ring) and written into every later
+    checkpoint."""
+    for names in run_ranks(_int8_state_into_another_wire, 3, timeout=120):
+        assert names == ["exp_avg", "exp_avg_sq", "step"], names
+
+
 def _mismatch(rank, n):
     model = make_model(rank)
     try:

@@ -224,11 +224,12 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         return self._state_names(self.param_groups[b.group_index])
 
     def _initialize_state(self):
-        """Every parameter's state, zero, as views (its step count stays 0: the next step is the first)."""
+        """The state of every parameter DCP gave a gradient (as torch's optimizers: not a frozen one, which a saved
+        state has none of, so a template with it failed dcp.load), zero, as views (the next step is the first)."""
         for b in self._buckets:
             for name in self._bucket_state_names(b):
                 b.state_buffer(name)
-            publish_state(b, self.state, include_unstepped=True)
+            publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots])
 
     def _check_group_options(self, groups: List[dict]) -> None:
         """Raises ValueError for a param group asking for what this optimizer's update does not do (torch.optim

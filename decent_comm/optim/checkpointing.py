@@ -40,7 +40,7 @@ class StateDictMixin:
     def _state_dict(self):
         self._adopt_state_edits()  # what the user edited since the last step is what a torch.optim checkpoint holds
         self.synchronize()
-        self._publish_correction(self._schedule.checkpoint_correction())
+        self._publish_round_state(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only
         # "state" (keyed by parameter) and "param_groups" of an optimizer's state_dict.
@@ -70,9 +70,9 @@ class StateDictMixin:
                                                        len(self._param_list()))
         self._schedule.check_loadable(extra)
         self._load_optimizer_state_dict(state_dict)
-        if restart_copies:
+        if restart_copies or not int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
             drop_named_state(self._buckets, self.state, WIRE_PREFIX)
-        self._gather_correction()
+        self._gather_round_state()
         self._schedule.load_state_dict(extra)
         self._show_schedule()
         self._note_state()
@@ -80,14 +80,18 @@ class StateDictMixin:
     # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
     _correction_for_stateless_params = True
 
-    def _publish_correction(self, pending: bool):
+    def _publish_round_state(self, pending: bool):
         """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
         state, so torch.save and DCP carry them."""
         publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
+        # Not before the first step of an optimizer without state (its copies are zero, as a new one's): a state
+        # that holds only them made torch.distributed.checkpoint skip its state initialization (a non-empty
+        # opt.state), so a template without Adam's moments loaded none of them.
+        copies = self._schedule.t > 0 or any(self.state.values())
         for name in Int8Wire.state_names(self._buckets):
-            publish_named_state(self._buckets, self.state, name, True, self._correction_for_stateless_params)
+            publish_named_state(self._buckets, self.state, name, copies, self._correction_for_stateless_params)
 
-    def _gather_correction(self):
+    def _gather_round_state(self):
         wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
         for name in [CORRECTION] + sorted(wire):
             gather_named_state(self._buckets, self.state, name)

@@ -31,9 +31,16 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
     parameters with requires_grad=False; a wrapped torch optimizer has none for a parameter that never had a
     gradient) are loaded as they are: the others keep their values, equal on every rank, so the round in flight
     mixes them as no change; also not exact, also logged."""
-    if not where:
-        return where, False
     names = {name for st in saved_state.values() for name in (st or {})}
+    if not where:
+        # Without the entry (dropped to start a schedule afresh, e.g. from rank 0's state on every rank) the copies
+        # cannot be told to be this rank's: another rank's, under its names, made the two ends of an edge differ
+        # (by 0.3 on a ring), and the replicas' mean drifted at lr 0. They restart, as every rank loading so does.
+        restart = int8_wire and any(n.startswith(WIRE_PREFIX) for n in names)
+        if restart:
+            log.warning("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
+                        "copies may be another rank's, so every rank loading it restarts them from zero")
+        return where, restart
     if where.get("delayed_pending") and CORRECTION not in names:
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
@@ -43,7 +50,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
                     "the destination optimizer has, and a new one has none yet): every rank restarts them from zero "
                     "and drops the round in flight, so the resumed run is not exact; torch.save'd state dicts carry "
                     "them")
-        return dict(where, int8_wire_round=None), True
+        return dict(where, **_NO_WIRE_ROUND), True
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
     if int8_wire and wire and complete < num_params:
@@ -51,6 +58,22 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
                     "(torch.distributed.checkpoint drops the state of parameters with requires_grad=False): the others "
                     "keep the copies they have, so the resumed run is not exact")
     return where, False
+
+
+#: the int8 wire's round in flight at a checkpoint, as the schedule entry holds it: two scalars (None without one),
+#: the same keys in every state dict, since torch.distributed.checkpoint loads only the keys the destination's has
+_NO_WIRE_ROUND = dict(int8_wire_round_step=None, int8_wire_round_factor=None)
+
+
+def _wire_round_of(extra: Optional[dict]) -> Optional[dict]:
+    """The saved round in flight: dict(step, factor), or None."""
+    if not extra:
+        return None
+    if extra.get("int8_wire_round") is not None:  # the form before the two scalars: a dict, or None
+        return extra["int8_wire_round"]
+    if extra.get("int8_wire_round_step") is None:
+        return None
+    return dict(step=extra["int8_wire_round_step"], factor=extra["int8_wire_round_factor"])
 
 
 class ScheduleCheckpoint:
@@ -87,7 +110,9 @@ class ScheduleCheckpoint:
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
                     gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
                     delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
-                    int8_wire_round=self._wire_round,
+                    **(_NO_WIRE_ROUND if self._wire_round is None else dict(
+                        int8_wire_round_step=self._wire_round["step"],
+                        int8_wire_round_factor=self._wire_round["factor"])),
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
@@ -137,7 +162,7 @@ class ScheduleCheckpoint:
         self._fresh = False
         if self.wire is not None:
             self.wire.forget()
-            self._restore_wire_round(extra.get("int8_wire_round") if extra else None)
+            self._restore_wire_round(_wire_round_of(extra))
 
     def _restore_wire_round(self, saved: Optional[dict]):
         """The int8 wire's round in flight at the checkpoint: its plan, to be mixed from the restored copies
