@@ -141,10 +141,38 @@ def _timeout(rank, world_size):
                 shutdown=shutdown, fresh_ok=fresh_ok)
 
 
+def _capture_while_in_flight(rank, world_size):
+    """A CUDA graph captured in torch's default (global) mode while an exchange is in flight: in that mode an event
+    query from another thread, the watchdog's, invalidated the capture and failed the transport (torch's own NCCL
+    watchdog runs in the relaxed mode for it; so does ours)."""
+    with Exchanger(device="cuda", timeout=2.0, _allow_self_exchange=True) as ex:  # watchdog period: 0.2 s
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        r = torch.empty_like(x)
+        ex.exchange(0, x, [r], [0], [0])  # agreed and connected
+        ex.wait(0)
+        r.zero_()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_sleep_cycles(1.0))  # the next exchange waits behind it: in flight during the capture
+        ex.exchange(0, x, [r], [0], [0])
+        a = torch.zeros(1000, device="cuda")
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            out = a * 2 + 1
+            time.sleep(0.5)  # the watchdog polls the exchange in flight meanwhile
+            graph.capture_end()
+        ex.wait(0)
+        received = torch.equal(r.cpu(), x.cpu())
+        a.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        return dict(graph_ok=torch.equal(out.cpu(), torch.full((1000,), 7.0)), received=received)
+
+
 # One spawned rank for all of them (a rank costs seconds to start); the timeout, which aborts, runs last.
 SUITE = Suite({1: [("solo", _solo, ()), ("loopback fp32", _loopback, (None,)),
                    ("loopback bf16 wire", _loopback, (torch.bfloat16,)), ("nccl errors", _nccl_errors, ()),
-                   ("timeout", _timeout, ())]}, timeout=240)
+                   ("graph capture", _capture_while_in_flight, ()), ("timeout", _timeout, ())]}, timeout=240)
 
 
 @needs_gpu
@@ -177,6 +205,12 @@ def test_nccl_errors_raise_exchange_error_and_leave_the_exchanger_unusable():
         kind, msg = out[f"{case}, later"]
         assert kind == "ExchangeError" and "unusable after an earlier error" in msg, (case, out)
         assert out[f"{case}, shutdown"] == ("none", ""), (case, out)
+
+
+@needs_gpu
+def test_nccl_watchdog_leaves_a_cuda_graph_capture_alone():
+    (out,) = SUITE.part(1, "graph capture")
+    assert out == dict(graph_ok=True, received=True), out
 
 
 @needs_gpu

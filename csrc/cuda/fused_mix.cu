@@ -26,8 +26,10 @@ __global__ void resolve_kernel(const HyperParams hp, const DeviceScalars s, Reso
 }  // namespace
 }  // namespace cuda_kernels
 
-int run_fused_cuda(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, int device, void* stream_ptr,
-                   ResolvedUpdate* resolved) {
+namespace {
+
+int run_fused_cuda_unchecked(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, int device,
+                             void* stream_ptr, ResolvedUpdate* resolved) {
   using namespace cuda_kernels;
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   int current = -1;
@@ -49,6 +51,17 @@ int run_fused_cuda(UpdateKind kind, const FusedOperands& o, const HyperParams& h
   const int applied = launch_resolved_update(kind, o, hp, Gate{resolved, false}, device, stream);
   if (applied != 0) return applied;
   return launch_resolved_update(UpdateKind::Mix, o, hp, Gate{resolved, true}, device, stream);
+}
+
+}  // namespace
+
+int run_fused_cuda(UpdateKind kind, const FusedOperands& o, const HyperParams& hp, int device, void* stream_ptr,
+                   ResolvedUpdate* resolved) {
+  const int err = run_fused_cuda_unchecked(kind, o, hp, device, stream_ptr, resolved);
+  // A runtime call that failed (an occupancy query, the memset) also left this thread's last error set, which
+  // torch's next launch check would raise again for a launch of its own: the caller reports it once.
+  if (err != 0) (void)cudaGetLastError();
+  return err;
 }
 
 const char* cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

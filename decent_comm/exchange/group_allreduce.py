@@ -24,7 +24,8 @@ agreement goes through the store, not the group, so that a member that renegotia
 straight to the data (a size changed on one rank only) never has a header met by an all-reduce: both time out.
 
 A member that exits raises ``ExchangeError``; one that does not answer within ``timeout`` raises
-``ExchangeTimeout`` naming the bucket and the group. Either makes the object unusable: every later call
+``ExchangeTimeout`` naming the bucket and the group (on NCCL the process group's own timeout and watchdog bound the
+all-reduces: a bounded wait would block the host at every step). Either makes the object unusable: every later call
 raises ``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` and leave it usable.
 """
 from __future__ import annotations
@@ -64,6 +65,10 @@ class GroupAllReduce:
         self.timeout = None if ms < 0 else datetime.timedelta(milliseconds=ms)
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
         backend = dist.get_backend(process_group)
+        # NCCL: wait() makes the current stream wait (no host sync) and NCCL's watchdog ends an all-reduce stuck past
+        # the group's own timeout; a bounded wait would block the host at every group step (WorkNCCL.wait(timeout)
+        # synchronizes), as BoundedAllReduce avoids too. So `timeout` bounds the all-reduces on other backends.
+        self._bounded = "nccl" not in str(backend)
         # dist.new_group waits for every rank of the default group for the group's own timeout (gloo: 30 min).
         namespace = wait_for_ranks(None, None if self.timeout is None else self.timeout.total_seconds(),
                                    "creating the group all-reduce")
@@ -77,6 +82,7 @@ class GroupAllReduce:
             if self.rank in g:
                 self._pgs[g] = pg
         self._work: Dict[int, Tuple[object, Group, float]] = {}
+        self._devices = set()  # of the buffers exchanged: synchronize() waits for their streams on NCCL
         self._error: Optional[str] = None
         self._closed = False
         self.bytes_sent = 0
@@ -127,6 +133,7 @@ class GroupAllReduce:
             raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: starting the all-reduce among "
                                            f"ranks {list(g)} failed: {e}")) from e
         self._work[bucket] = (work, g, time.monotonic())
+        self._devices.add(total.device)
         self.bytes_sent += 2 * (len(g) - 1) * total.numel() * total.element_size() // len(g)
 
     def _agree(self, bucket: int, g: Group, header: Tuple[int, torch.dtype]):
@@ -152,7 +159,7 @@ class GroupAllReduce:
             return
         work, g, started = entry
         try:
-            ok = work.wait() if self.timeout is None else work.wait(timeout=self.timeout)
+            ok = work.wait() if self.timeout is None or not self._bounded else work.wait(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001
             elapsed = time.monotonic() - started
             if self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
@@ -172,7 +179,12 @@ class GroupAllReduce:
             self.wait(bucket)
 
     def synchronize(self):
+        """Blocks the host until every exchange is complete (on NCCL wait_all() only orders the current stream)."""
         self.wait_all()
+        if not self._bounded:
+            for device in self._devices:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
 
     @property
     def in_flight(self):

@@ -152,6 +152,11 @@ void NcclTransport::poll_locked() {
       --count_;
       continue;
     }
+    if (q == cudaErrorStreamCaptureUnsupported || q == cudaErrorStreamCaptureImplicit) {
+      // Asked from a thread that is capturing a CUDA graph (a caller's check()): no answer; the watchdog asks later.
+      (void)cudaGetLastError();
+      break;
+    }
     if (q == cudaErrorCudartUnloading) {
       // Interpreter exit with this transport still alive: whatever was in flight no longer matters, and an
       // abort now could block the exit. Stop here for good.
@@ -203,6 +208,12 @@ void NcclTransport::check() {
 void NcclTransport::watchdog_loop() {
   // Event queries need this thread on the transport's device; without it the caller-side checks still run.
   if (cudaSetDevice(device_index_) != cudaSuccess) return;
+  // torch.cuda.graph captures in the global mode by default, in which an event query from any other thread is a
+  // prohibited call that invalidates the capture (and fails here): a user capturing forward and backward while an
+  // exchange is in flight. This thread's queries touch no captured stream, so it runs in the relaxed mode, as
+  // torch's own NCCL watchdog does.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) return;
   const auto period = std::clamp(timeout_ / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_ && !runtime_unloading_) {
