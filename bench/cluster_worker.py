@@ -83,7 +83,7 @@ def compute_probe(mod, argv, steps: int) -> dict:
     """Per-step compute time (no communication) of every rank, all ranks at once; returns rank 0's view."""
     env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
     args = mod.parse_args(argv)
-    resolve_defaults(args, mod.LR_DEFAULTS)
+    resolve_defaults(args, mod.LR_DEFAULTS, env.world_size)
     torch.manual_seed(args.seed)
     task = mod.build_task(args, env)
     opt = torch_optimizer(torch.optim.AdamW, task.model.parameters(), args)

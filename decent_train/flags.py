@@ -70,7 +70,6 @@ def count(least: int):
         if n < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
         return n
-    parse.__name__ = "integer" if least <= 0 else "positive integer"  # argparse names the type in its errors
     return parse
 
 
@@ -84,7 +83,6 @@ def number(least: float = 0.0, strictly: bool = False):
         if not (x > least if strictly else x >= least):  # NaN fails both
             raise argparse.ArgumentTypeError(f"must be {'>' if strictly else '>='} {least:g}, got {value}")
         return x
-    parse.__name__ = "number"
     return parse
 
 

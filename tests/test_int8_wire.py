@@ -203,6 +203,29 @@ def test_another_ranks_state_without_its_schedule_entry_keeps_the_replicas_mean(
         assert restarted == (wire is not None)
 
 
+def _rollback_to_step_0(rank, n):
+    import copy
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring", comm_dtype=torch.int8, timeout=30)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # before the first step: the copies are zero
+    runs = []
+    for _ in range(2):
+        train_steps(rank, model, opt, 4)
+        opt.synchronize()
+        runs.append(flat_params(model).clone())
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    opt.shutdown()
+    return (runs[0] - runs[1]).abs().max().item()
+
+
+def test_a_rollback_to_step_0_restarts_the_copies():
+    """A state dict taken before the first step holds no copies (they are zero, and published they kept DCP from
+    initializing a new optimizer's state); loading it must zero the copies of the run since (they were kept: the
+    rerun differed by 0.016)."""
+    assert run_ranks(_rollback_to_step_0, 3, timeout=120) == [0.0] * 3
+
+
 def _int8_state_into_another_wire(rank, n):
     model = make_model(rank)
     opt = decent_comm.DAdamW(model.parameters(), topology="ring", comm_dtype=torch.int8, timeout=30)

@@ -184,12 +184,14 @@ def test_decentralized_hooks_and_lbfgs_closure():
 
 
 def _ddp_wrapped(rank, n):
-    model = make_model(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     out = []
-    for give_model in (True, False):
+    for given in ("the DDP wrap", "none", "the inner model, wrapped before", "the inner model, wrapped after"):
+        model = make_model(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if "after" not in given else None
         try:
-            opt = decent_comm.DSGD(ddp.parameters(), lr=0.1, model=ddp if give_model else None, timeout=20)
+            opt = decent_comm.DSGD(model.parameters(), lr=0.1, timeout=20, model={
+                "the DDP wrap": ddp, "none": None}.get(given, model))
+            ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
             ddp(torch.zeros(1, 4)).sum().backward()
             opt.step()
             out.append("no error")
@@ -199,5 +201,7 @@ def _ddp_wrapped(rank, n):
 
 
 def test_model_left_in_ddp_is_refused():
+    """Also when model= is the module DDP wraps: it trained with both DDP's all-reduce and the gossip (the check was
+    the global hook's, which model= no longer installs)."""
     for msgs in run_ranks(_ddp_wrapped, 2, timeout=120):
-        assert all("DistributedDataParallel" in m for m in msgs), msgs
+        assert len(msgs) == 4 and all("DistributedDataParallel" in m for m in msgs), msgs

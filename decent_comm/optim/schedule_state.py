@@ -45,12 +45,15 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
                          "has (a new one has none in flight); save with torch.save, or where no round is in flight")
-    if int8_wire and int(where.get("step", 0)) > 0 and not any(n.startswith(WIRE_PREFIX) for n in names):
-        log.warning("the state dict has no int8 wire copies (torch.distributed.checkpoint loads only the state names "
-                    "the destination optimizer has, and a new one has none yet): every rank restarts them from zero "
-                    "and drops the round in flight, so the resumed run is not exact; torch.save'd state dicts carry "
-                    "them")
-        return dict(where, **_NO_WIRE_ROUND), True
+    if int8_wire and not any(n.startswith(WIRE_PREFIX) for n in names):
+        # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
+        # too (a rollback to step 0), silently.
+        if int(where.get("step", 0)) > 0:
+            log.warning("the state dict has no int8 wire copies (torch.distributed.checkpoint loads only the state "
+                        "names the destination optimizer has, and a new one has none yet): every rank restarts them "
+                        "from zero and drops the round in flight, so the resumed run is not exact; torch.save'd state "
+                        "dicts carry them")
+        return dict(where, int8_wire_round=None), True
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
     if int8_wire and wire and complete < num_params:
@@ -60,20 +63,16 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
     return where, False
 
 
-#: the int8 wire's round in flight at a checkpoint, as the schedule entry holds it: two scalars (None without one),
-#: the same keys in every state dict, since torch.distributed.checkpoint loads only the keys the destination's has
-_NO_WIRE_ROUND = dict(int8_wire_round_step=None, int8_wire_round_factor=None)
-
-
 def _wire_round_of(extra: Optional[dict]) -> Optional[dict]:
-    """The saved round in flight: dict(step, factor), or None."""
-    if not extra:
-        return None
-    if extra.get("int8_wire_round") is not None:  # the form before the two scalars: a dict, or None
-        return extra["int8_wire_round"]
-    if extra.get("int8_wire_round_step") is None:
-        return None
-    return dict(step=extra["int8_wire_round_step"], factor=extra["int8_wire_round_factor"])
+    """The saved round in flight (the entry's "int8_wire_round"): dict(step, factor), or None. Saved as a list
+    [step, factor]: torch.distributed.checkpoint takes a list of numbers for one value, which a new optimizer's None
+    receives, but a dict for keys of its own, which that None lacks (every dcp.load of an AWC int8 run failed);
+    torch.save'd state dicts of earlier versions hold the dict."""
+    saved = (extra or {}).get("int8_wire_round")
+    if saved is None or isinstance(saved, dict):
+        return saved
+    step, factor = saved
+    return dict(step=step, factor=factor)
 
 
 class ScheduleCheckpoint:
@@ -110,9 +109,8 @@ class ScheduleCheckpoint:
         return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
                     gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
                     delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
-                    **(_NO_WIRE_ROUND if self._wire_round is None else dict(
-                        int8_wire_round_step=self._wire_round["step"],
-                        int8_wire_round_factor=self._wire_round["factor"])),
+                    int8_wire_round=None if self._wire_round is None else [self._wire_round["step"],
+                                                                           self._wire_round["factor"]],
                     topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)

@@ -270,24 +270,32 @@ _DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, w
 
 
 class DDPGuard:
-    """Refuses a model left wrapped in DDP: at construction when it is passed as `model=`, else at its first
-    forward (a global forward pre-hook, removed at the optimizer's first step() or with the optimizer). Not with
-    `model=`: that hook's removal changes what torch.compile guards on, which recompiled a compiled model once."""
+    """Refuses a model left wrapped in DDP. With `model=`: at construction when it is the DDP wrap, else at a forward
+    that DDP runs (a pre-hook on the model, kept: removing it would change what torch.compile guards on, and a
+    compiled model would compile twice). Without: at the first forward of a DDP holding our parameters (a global
+    forward pre-hook, removed at the optimizer's first step(), as a wrap would have shown by then)."""
 
     def __init__(self, owner, buckets, model=None):
         self._ours = {id(s.param) for b in buckets for s in b.slots}
-        self._handle = None
         if isinstance(model, DistributedDataParallel):
             raise RuntimeError(_DDP_MESSAGE)
-        if model is None:
-            self._handle = register_module_forward_pre_hook(self._hook)
-            weakref.finalize(owner, self._handle.remove)
+        if model is not None:
+            self._handle, self._global = model.register_forward_pre_hook(self._model_hook), False
+        else:
+            self._handle, self._global = register_module_forward_pre_hook(self._hook), True
+        weakref.finalize(owner, self._handle.remove)
 
     def _hook(self, module, args):
         if isinstance(module, DistributedDataParallel) and any(id(p) in self._ours for p in module.parameters()):
             raise RuntimeError(_DDP_MESSAGE)
 
+    def _model_hook(self, module, args):
+        ddp = DistributedDataParallel._active_ddp_module  # set by DDP around its call of the wrapped module
+        if ddp is not None and any(id(p) in self._ours for p in ddp.parameters()):
+            raise RuntimeError(_DDP_MESSAGE)
+
     def remove(self):
-        if self._handle is not None:
+        """At the first step: lets go of the global hook (the model's stays)."""
+        if self._global and self._handle is not None:
             self._handle.remove()
             self._handle = None

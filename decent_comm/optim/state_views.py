@@ -11,16 +11,16 @@ import torch
 from .buckets import Bucket, _classes_of, find_bucket_of
 
 
-def publish_state(b: Bucket, state, include_unstepped: bool = False, stepped: Optional[List[bool]] = None) -> None:
-    """opt.state[p] of every parameter updated at least once (every parameter with `include_unstepped`; those
-    `stepped` says when given): views of the bucket's flat state buffers and of its step count (torch.optim
-    semantics: no state before a parameter's first update)."""
+def publish_state(b: Bucket, state, stepped: Optional[List[bool]] = None) -> None:
+    """opt.state[p] of every parameter updated at least once (those `stepped` says when given): views of the
+    bucket's flat state buffers and of its step count (torch.optim semantics: no state before a parameter's first
+    update)."""
     new_names = b.state.keys() - b.published_names
     if all(b.published) and not new_names:
         return
     published = list(b.published)
     for i, s in enumerate(b.slots):
-        if not published[i] and (include_unstepped or (stepped[i] if stepped is not None else b.step_count[i] > 0)):
+        if not published[i] and (stepped[i] if stepped is not None else b.step_count[i] > 0):
             views = {name: b.view(buf, s) for name, buf in b.state.items()}
             views["step"] = b.step_count[i]
             state[s.param].update(views)
