@@ -121,7 +121,7 @@ def test_dcp_get_set_state_dict_round_trip_is_exact(case, flatten, via, tmp_path
     no state name for yet cannot come back that way (as in any DCP load into a new optimizer): a delayed_mix round
     in flight is refused. The int8 wire's copies are allocated at construction, so they come back (exact); DCP drops
     a frozen parameter's state, and its copies keep their values (logged, not exact). Through dcp.load the int8
-    wire's round in flight came back only if its entry had the keys of a new optimizer's (two scalars, not a dict
+    wire's round in flight came back only if its entry had the keys of a new optimizer's (one value, not a dict
     the template lacked: "Missing key ... int8_wire_round"), and a new int8 optimizer's state_dict() made opt.state
     hold its copies, so DCP skipped initializing the state and the moments were not loaded."""
     directory = str(tmp_path) if via == "dcp.save/load" else None
