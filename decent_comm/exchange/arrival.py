@@ -28,7 +28,8 @@ gone (the optimizer's next step raises within its own timeout).
 from __future__ import annotations
 
 import datetime
-from typing import Dict, Optional
+import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,10 @@ ExchangeError, ExchangeTimeout = _C.ExchangeError, _C.ExchangeTimeout
 
 POISON = 1 << 32   # added by a rank that gives up; world sizes stay far below it (the topology layer: <= 2**24)
 _VERDICT_WAIT = datetime.timedelta(seconds=60)  # for the first poisoner's verdict: it writes it right after its add
-_calls: Dict[str, int] = {}
+# Calls so far per process group object: a group destroyed and created again (a retry after a failure, in one
+# process) starts from 0 on every rank, although torch gives it the same name. Counted by name, a rank whose
+# earlier call had timed out alone stayed one call ahead of the others for good: no construction could meet again.
+_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def group_timeout_s(group) -> float:
@@ -87,7 +91,7 @@ def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     name = group.group_name
-    seq = _calls[name] = _calls.get(name, 0) + 1
+    seq = _calls[group] = _calls.get(group, 0) + 1
     base = f"decent_comm/arrival/{name}/{seq}"
     if world_size == 1:
         return base
