@@ -208,4 +208,6 @@ def test_rank_dying_between_arrival_and_its_config_is_named_by_the_others():
     assert res[1] == "died"
     for r in (0, 2):
         assert "rank 1 arrived but did not send its configuration within 3 s" in res[r]["msg"], res[r]
-        assert res[r]["elapsed"] < 3 + 5, res[r]
+        # the arrival (up to 3 s for a rank whose process starts late on a loaded machine), the configurations' 3 s,
+        # and slack: 8 s failed once at 12.3 s with the suite beside three other multi-rank jobs on 2 cores
+        assert res[r]["elapsed"] < 3 + 3 + 5, res[r]
