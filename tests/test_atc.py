@@ -349,6 +349,29 @@ def test_atc_a_module_idle_this_step_is_not_taken_for_one_used_without_its_hook(
     assert run_ranks(_alternating_heads, 2, set_to_none, timeout=120) == [6, 6]
 
 
+def _wrapped_with_a_closure(rank, n):
+    m = TwoHeads()
+    opt = decent_comm.Decentralized(torch.optim.SGD(m.parameters(), lr=0.1), topology="ring", mode="atc", model=m,
+                                    bucket_cap_mb=1e-6)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+
+    def closure():  # the wrapped SGD runs it inside step(), after the pending mix
+        opt.zero_grad()
+        loss = m(x, 0).square().mean() + m(x, 1).square().mean()
+        loss.backward()
+        return loss
+    for _ in range(4):
+        opt.step(closure)
+    out = len(opt._schedule._hooks.deferrable())
+    opt.shutdown()
+    return out
+
+
+def test_atc_a_closure_the_wrapped_optimizer_runs_is_not_taken_for_a_bypass():
+    """At step(closure) the gradients were the last closure's: each step warned of a bypass, deferred no more."""
+    assert run_ranks(_wrapped_with_a_closure, 2, timeout=120) == [6, 6]
+
+
 def _reentrant_checkpointing(rank, n):
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])

@@ -279,7 +279,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
 
     def _step_atc(self, skip_update: bool):
         s = self._schedule
-        s.check_deferred_used()
+        if self._closure is None:  # else the wrapped optimizer runs the forward below, after the mix: no bypass to
+            s.check_deferred_used()  # find (the gradients now are the last closure's: each step warned wrongly)
         s.mix_pending()
         measure = s.wants_step_sq(s.t)  # decided below, before this step's exchange
         refs = [b.flat.clone() for b in self._buckets] if measure else None
