@@ -9,6 +9,8 @@ Variants (what the script does before the interpreter exits):
     global      as none, but the optimizer stays referenced from a module global until the interpreter exits
     average     as global, the README's ending: the last call is the collective opt.global_average() (saving
                 rank 0's average), whose all-reduces gloo's worker thread may still be releasing at exit
+    interactive as none, in an interactive session (run with python -i) in which an earlier line raised and showed
+                its error (which sets sys.last_value, as an uncaught exception does)
     shutdown    decent_comm; opt.shutdown() only
     destroy     decent_comm; dist.destroy_process_group() only
     both        decent_comm; opt.shutdown(), then dist.destroy_process_group()
@@ -29,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-VARIANTS = ("none", "global", "average", "shutdown", "destroy", "both", "ddp", "ddp-destroy", "ddp-hook", "callback")
+VARIANTS = ("none", "global", "average", "interactive", "shutdown", "destroy", "both", "ddp", "ddp-destroy", "ddp-hook", "callback")
 KEEP = []  # variant global: what stays alive until the interpreter exits
 
 
@@ -46,6 +48,9 @@ def main():
         KEEP.append(work.get_future().then(lambda fut: fut.value()))  # runs on a gloo worker thread
         print(f"rank {os.environ.get('RANK')} done ({args.variant})", flush=True)
         return
+    if args.variant == "interactive":
+        import code
+        code.InteractiveInterpreter().runsource("undefined_name")  # an earlier line's NameError, shown
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     if args.variant.startswith("ddp"):

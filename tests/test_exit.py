@@ -28,12 +28,16 @@ SCRIPT = os.path.join(ROOT, "bench", "exit_user_script.py")
 CPP_WARNING = re.compile(r"\[W\d{4} [\d:.]+ [\w./-]+:\d+\]")
 
 
-@pytest.mark.parametrize("variant", ["none", "global"])
+@pytest.mark.parametrize("variant", ["none", "global", "interactive"])
 def test_job_without_shutdown_exits_cleanly(variant):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, variant]
+    """interactive: `python -i`, whose REPL then reads the end of its input and exits; an error shown earlier left
+    sys.last_value set, taken for a script dying of it: no drain, and a C++ warning per rank."""
+    launch = ["--no-python", sys.executable, "-i", SCRIPT] if variant == "interactive" else [SCRIPT]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launch, variant]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-6000:]}"
     for rank in (0, 1):

@@ -70,9 +70,21 @@ def close_on_collect(exchanger) -> None:
     close_quietly(exchanger, "when it was garbage collected")
 
 
+def _dying_of_an_exception() -> bool:
+    """sys.last_value (last_exc): the uncaught exception a script dies of; in an interactive session (python -i, the
+    REPL, IPython, Jupyter) any error shown earlier, after which the session went on and now ends normally (it
+    skipped the drain, and every rank warned of an exchanger destroyed with a bucket in flight)."""
+    if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
+        return False
+    ipython = sys.modules.get("IPython")
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or (
+        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None)
+    return not interactive
+
+
 def _close_all_at_exit() -> None:
-    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
-        return  # dying of an uncaught exception: do not wait for peers that may never answer
+    if _dying_of_an_exception():
+        return  # do not wait for peers that may never answer
     with _lock:
         alive = [r() for r in _open]
         _open.clear()
