@@ -49,7 +49,9 @@ RANK_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank.*?\n.*?exitcode\s*:\s*(-?
 
 
 def user_job(variant: str, nproc: int, steps: int):
-    return nproc, [USER_SCRIPT, variant, "--steps", str(steps)]
+    # interactive: the script under python -i (its REPL then reads the end of its input, stdin being closed)
+    launch = ["--no-python", sys.executable, "-i", USER_SCRIPT] if variant == "interactive" else [USER_SCRIPT]
+    return nproc, [*launch, variant, "--steps", str(steps)]
 
 
 def lm_job(variant: str, steps: int):
@@ -80,7 +82,7 @@ def run_job(nproc: int, script_args, workdir: str, timeout: float, cores: bool) 
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=allow_cores if cores else None)
+                              preexec_fn=allow_cores if cores else None, stdin=subprocess.DEVNULL)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc = None

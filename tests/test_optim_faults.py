@@ -209,5 +209,6 @@ def test_rank_dying_between_arrival_and_its_config_is_named_by_the_others():
     for r in (0, 2):
         assert "rank 1 arrived but did not send its configuration within 3 s" in res[r]["msg"], res[r]
         # the arrival (up to 3 s for a rank whose process starts late on a loaded machine), the configurations' 3 s,
-        # and slack: 8 s failed once at 12.3 s with the suite beside three other multi-rank jobs on 2 cores
-        assert res[r]["elapsed"] < 3 + 3 + 5, res[r]
+        # and slack (8 s in all failed once at 12.3 s with the suite beside three multi-rank jobs on 2 cores): far
+        # below the store's 60 s verdict wait or gloo's 30 min, which is what this bounds
+        assert res[r]["elapsed"] < 3 + 3 + 15, res[r]

@@ -76,10 +76,23 @@ def _dying_of_an_exception() -> bool:
     skipped the drain, and every rank warned of an exchanger destroyed with a bucket in flight)."""
     if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
         return False
+    return not (hasattr(sys, "ps1") or sys.flags.interactive or _ipython_session())
+
+
+def _ipython_session() -> bool:
+    """A Jupyter kernel, or IPython's terminal REPL: not `ipython script.py`, nor a shell a script embedded (ipdb,
+    IPython.embed), which create a shell object too."""
     ipython = sys.modules.get("IPython")
-    interactive = hasattr(sys, "ps1") or sys.flags.interactive or (
-        ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None)
-    return not interactive
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython is not None else None
+    if shell is None:
+        return False
+    if getattr(shell, "kernel", None) is not None:
+        return True
+    try:
+        from IPython.terminal.ipapp import TerminalIPythonApp
+        return bool(TerminalIPythonApp.initialized() and TerminalIPythonApp.instance().interact)
+    except Exception:  # noqa: BLE001 - another IPython layout: not taken for a session
+        return False
 
 
 def _close_all_at_exit() -> None:

@@ -75,14 +75,17 @@ class GroupAllReduce:
         self._roster = Roster(namespace, self.rank)
         self._agreed: Dict[Tuple[int, Group], Tuple[int, torch.dtype]] = {}  # (bucket, group) -> (numel, dtype)
         self._pgs: Dict[Group, object] = {}
+        parent = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        parent_timeout = datetime.timedelta(seconds=group_timeout_s(parent))
         for g in sorted({tuple(sorted(int(r) for r in g)) for g in groups}):
             if len(g) < 2 or not all(0 <= r < self.world_size for r in g):
                 raise ValueError(f"GroupAllReduce: group {list(g)} must list >= 2 ranks of the {self.world_size}")
-            pg = dist.new_group([to_global(r) for r in g], backend=backend)
+            # the parent group's timeout (new_group's default is torch's, e.g. NCCL's 10 min): on NCCL the only bound
+            pg = dist.new_group([to_global(r) for r in g], backend=backend, timeout=parent_timeout)
             if self.rank in g:
                 self._pgs[g] = pg
         self._work: Dict[int, Tuple[object, Group, float]] = {}
-        self._devices = set()  # of the buffers exchanged: synchronize() waits for their streams on NCCL
+        self._devices = set()  # of the buffers exchanged: synchronize() waits for these devices on NCCL
         self._error: Optional[str] = None
         self._closed = False
         self.bytes_sent = 0
@@ -152,7 +155,8 @@ class GroupAllReduce:
         return self._roster.flagged(f"nonfinite/{bucket}/{step}", group)
 
     def wait(self, bucket: int):
-        """Blocks until the bucket's sum is in recvs[0]; a no-op once that happened (wait_all, synchronize)."""
+        """Until the bucket's sum is in recvs[0]: blocks (NCCL: orders the current stream after it, no host sync);
+        a no-op once that happened (wait_all, synchronize)."""
         self._usable("wait")
         entry = self._work.pop(bucket, None)
         if entry is None:
@@ -162,7 +166,7 @@ class GroupAllReduce:
             ok = work.wait() if self.timeout is None or not self._bounded else work.wait(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001
             elapsed = time.monotonic() - started
-            if self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
+            if self._bounded and self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
                 raise self._fail(ExchangeTimeout(
                     f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} "
                     f"ms in the all-reduce among ranks {list(g)}{self._roster.blame(g)}; transport: {e}")) from e
@@ -181,10 +185,10 @@ class GroupAllReduce:
     def synchronize(self):
         """Blocks the host until every exchange is complete (on NCCL wait_all() only orders the current stream)."""
         self.wait_all()
-        if not self._bounded:
+        if not self._bounded:  # buckets waited earlier may have been ordered after on another stream
             for device in self._devices:
                 if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
+                    torch.cuda.synchronize(device)
 
     @property
     def in_flight(self):
@@ -196,7 +200,7 @@ class GroupAllReduce:
         if self._closed:
             return
         if self._error is None:
-            self.wait_all()
+            self.synchronize()  # NCCL: the groups are destroyed below only once nothing runs on them
             # Ours (dist.new_group in __init__), so destroyed here: that joins their gloo worker threads now,
             # while the interpreter is alive, instead of leaving them to whoever ends the process (a worker
             # still releasing a finished all-reduce's tensors needs the GIL; see exchange/_closing.py).
