@@ -1,8 +1,10 @@
-"""Optimizers in long-lived processes (sweeps, notebooks, in-process retries): a dropped optimizer is freed when its
-last reference goes, as torch's are, and a process group destroyed and created again after a failed construction
-lets the ranks build optimizers together again."""
+"""Optimizers in long-lived processes (sweeps, notebooks, in-process retries, Ctrl-C handlers): a dropped optimizer
+is freed when its last reference goes, as torch's are; a process group destroyed and created again after a failed
+construction lets the ranks build optimizers together again; Ctrl-C during step() leaves the step whole."""
 
 import gc
+import os
+import signal
 import weakref
 
 import torch
@@ -71,3 +73,39 @@ def test_ranks_build_together_again_after_the_group_is_created_again():
     name, rank 0 stayed one construction ahead for good and every later one timed out, blaming ranks that came."""
     assert run_ranks(_retry_after_a_failed_construction, 2, timeout=120) == [["ExchangeTimeout", "trained"],
                                                                              ["ValueError", "trained"]]
+
+
+def _interrupted_between_two_launches(rank, n, who):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=5, bucket_cap_mb=1e-6)  # 4 buckets
+    exchange, launches = opt._schedule.exchange.exchange, []
+
+    def ctrl_c_at_the_second(bucket, *args, **kwargs):  # Ctrl-C after the 2nd bucket of a step's launch (step 1)
+        launches.append(bucket)
+        if len(launches) == 4 * 2 + 2 and rank in who:
+            os.kill(os.getpid(), signal.SIGINT)
+        return exchange(bucket, *args, **kwargs)
+    opt._schedule.exchange.exchange = ctrl_c_at_the_second
+    interrupted = []
+    for t in range(4):
+        model(torch.ones(2, 8) * (rank + t)).sum().backward()
+        try:
+            opt.step()
+            if t == 1 and rank not in who:
+                raise KeyboardInterrupt  # this rank's Ctrl-C came between two steps
+        except KeyboardInterrupt:
+            interrupted.append(t)
+            with opt.global_average():  # the handler saves the average: every rank meets it
+                saved = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+    opt.synchronize()
+    steps = opt._schedule.t
+    opt.shutdown()
+    return interrupted, steps, len(saved) if interrupted else None
+
+
+def test_ctrl_c_during_a_step_is_raised_once_every_bucket_is_launched():
+    """Raised between two buckets' launches, it left the rest unposted: the handler's global_average timed out on
+    every rank (and the next step refused a bucket still in flight)."""
+    for who in [(0,), (0, 1)]:  # Ctrl-C reaches the ranks at different points of their step, or at the same one
+        assert run_ranks(_interrupted_between_two_launches, 2, who, timeout=120) == [([1], 4, 4), ([1], 4, 4)], who

@@ -24,6 +24,7 @@ import torch
 from .. import ops
 from . import amp, diagnostics
 from .device_scalars import sq_dist, sum_scalars
+from .interrupts import HeldInterrupt
 from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
                       check_unwritten, note_in_flight, segments, spread_count, written, zero_grads)
 from .checkpointing import StateDictMixin
@@ -113,8 +114,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
-            process_group=process_group, consensus=consensus, lr=_lr_of(weakref.ref(self)), comm_dtype=comm_dtype, timeout=timeout,
-            exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite, cadence=cadence)
+            process_group=process_group, consensus=consensus, lr=_lr_of(weakref.ref(self)), comm_dtype=comm_dtype,
+            timeout=timeout, exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite,
+            cadence=cadence)
         if mode == "atc":
             self._schedule.attach(model)
         self._show_schedule()
@@ -194,21 +196,22 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         if closure is not None and self._closure is None:
             with torch.enable_grad():
                 loss = closure()
-        for b in self._buckets:
-            gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers)
-        found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
-        self._schedule.average_gradients(self._schedule.t, found_inf)
-        self._amp, skip_update = self._amp_for_step(found_inf)
-        if self.mode == "awc":
-            self._step_awc(skip_update)
-        else:
-            self._step_atc(skip_update)
-        written(self._buckets)
-        note_in_flight(self._buckets, self._schedule.sending_parameters())
-        if self._schedule.all_reduce is not None:  # lets go of what the last all-reduces kept (exchange.bounded)
-            self._schedule.all_reduce.prune()
-        self._closure = None
-        self._note_state()
+        with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
+            for b in self._buckets:
+                gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers)
+            found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
+            self._schedule.average_gradients(self._schedule.t, found_inf)
+            self._amp, skip_update = self._amp_for_step(found_inf)
+            if self.mode == "awc":
+                self._step_awc(skip_update)
+            else:
+                self._step_atc(skip_update)
+            written(self._buckets)
+            note_in_flight(self._buckets, self._schedule.sending_parameters())
+            if self._schedule.all_reduce is not None:  # lets go of what the last all-reduces kept (exchange.bounded)
+                self._schedule.all_reduce.prune()
+            self._closure = None
+            self._note_state()
         return loss if self._closure_loss is None else self._closure_loss
 
     def _is_state_initialization(self) -> bool:
