@@ -23,20 +23,20 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
     copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
     a new one has no delayed_mix round yet (nor, with an adaptive topology, every copy), so a checkpoint may lack
-    them. A round in flight is
-    refused (its mix would be lost). Missing copies restart from zero on every rank alike (each rank's copy of a
-    peer still equals the peer's own; its first send is then the whole of x, quantized), and the round in flight at
-    the checkpoint is dropped (mixing it would read the zero copies as the neighbours' parameters): the resumed run
-    is sane but not exact, which is logged. Copies of only some of the `num_params` parameters (DCP drops the state of
-    parameters with requires_grad=False; a wrapped torch optimizer has none for a parameter that never had a
-    gradient) are loaded as they are: the others keep their values, equal on every rank, so the round in flight
-    mixes them as no change; also not exact, also logged."""
+    them. A round in flight is refused (its mix would be lost). Missing copies restart from zero on every rank alike
+    (each rank's copy of a peer still equals the peer's own; its first send is then the whole of x, quantized), and
+    the round in flight at the checkpoint is dropped (mixing it would read the zero copies as the neighbours'
+    parameters): the resumed run is sane but not exact, which is logged. Copies of only some of the `num_params`
+    parameters (DCP drops the state of parameters with requires_grad=False; a wrapped torch optimizer has none for a
+    parameter that never had a gradient) are loaded as they are: the others keep their values, equal on every rank,
+    so the round in flight mixes them as no change; also not exact, also logged."""
     names = {name for st in saved_state.values() for name in (st or {})}
+    wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     if not where:
         # Without the entry (dropped to start a schedule afresh, e.g. from rank 0's state on every rank) the copies
         # cannot be told to be this rank's: another rank's, under its names, made the two ends of an edge differ
         # (by 0.3 on a ring), and the replicas' mean drifted at lr 0. They restart, as every rank loading so does.
-        restart = int8_wire and any(n.startswith(WIRE_PREFIX) for n in names)
+        restart = int8_wire and bool(wire)
         if restart:
             log.warning("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
                         "copies may be another rank's, so every rank loading it restarts them from zero")
@@ -45,7 +45,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
                          "has (a new one has none in flight); save with torch.save, or where no round is in flight")
-    if int8_wire and not any(n.startswith(WIRE_PREFIX) for n in names):
+    if int8_wire and not wire:
         # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
         # too (a rollback to step 0), silently.
         if int(where.get("step", 0)) > 0:
@@ -54,7 +54,6 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
                         "from zero and drops the round in flight, so the resumed run is not exact; torch.save'd state "
                         "dicts carry them")
         return dict(where, int8_wire_round=None), True
-    wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
     if int8_wire and wire and complete < num_params:
         log.warning(f"the state dict has all the int8 wire copies of {complete} of the {num_params} parameters "
