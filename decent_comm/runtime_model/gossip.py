@@ -175,10 +175,10 @@ def throughput_bound(mu: float, steps: list) -> float:
 def workload_step_groups(workload, topology, step):
     """The step's averaging groups ``(members, sizes)`` when it runs as group all-reduces under
     ``workload.exchange``, else ``None`` (point to point): "group-allreduce" whenever the step is uniform
-    averaging over groups, "auto" only when one of its groups has at least ``AUTO_MIN_GROUP`` ranks (as the
-    optimizers decide), "p2p" never.  A group of ``s`` ranks gives each member ``s - 1`` senders, so "auto"
-    needs no group check on steps whose ranks have fewer than ``AUTO_MIN_GROUP - 1``."""
-    if workload.exchange == "p2p":
+    averaging over groups, "auto" only when one of its groups has at least ``AUTO_MIN_GROUP`` ranks and the
+    wire is not the 8-bit one (as the optimizers decide), "p2p" never.  A group of ``s`` ranks gives each member
+    ``s - 1`` senders, so "auto" needs no group check on steps whose ranks have fewer than ``AUTO_MIN_GROUP - 1``."""
+    if workload.exchange == "p2p" or (workload.exchange == "auto" and workload.wire_is_8bit):
         return None
     table = schedule_of(topology).steps[step]
     if workload.exchange == "auto" and table.links.max_indegree < AUTO_MIN_GROUP - 1:
@@ -246,7 +246,8 @@ def schedule_comm(cluster, workload, topology) -> list:
         if groups is None:
             out.append(_p2p_step(cluster, B, table.message_links))
         else:
-            out.append(_group_step(cluster, B, table.step, groups, table.links.max_indegree, workload.buckets))
+            out.append(_group_step(cluster, workload.group_bytes_per_rank, table.step, groups,
+                                   table.links.max_indegree, workload.group_buckets))
     return out
 
 

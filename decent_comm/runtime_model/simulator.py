@@ -240,7 +240,7 @@ def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, se
     for table in schedule_of(topology).steps:
         groups = workload_step_groups(workload, topology, table.step)
         plans.append(_plan_step(table.message_links, cluster, B) if groups is None
-                     else _plan_group_step(cluster, B, groups, workload.buckets))
+                     else _plan_group_step(cluster, workload.group_bytes_per_rank, groups, workload.group_buckets))
     f = workload.overlap_fraction
     N, L = cluster.nodes, cluster.ranks_per_node
     n_res = 2 * N + (n * L if cluster.intra_sharing == "pair" else 2 * n)

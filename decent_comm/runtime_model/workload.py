@@ -18,7 +18,9 @@ whose mixing matrix is uniform averaging over groups, one of them of at least
 three ranks, runs one all-reduce per group, any other step point to point),
 ``"p2p"`` (every rank sends its buffer to each out-neighbour) or
 ``"group-allreduce"`` (every step that is uniform averaging over groups runs
-one all-reduce per group, as the seed library Decent-DP does).
+one all-reduce per group, as the seed library Decent-DP does). Under "auto" the 8-bit wire is always point
+to point and a bf16/fp16 wire's group steps sum float32 parameters (``group_bytes_per_rank``), as the
+optimizers do.
 """
 from __future__ import annotations
 
@@ -127,6 +129,25 @@ class Workload:
     def bytes_per_rank(self) -> float:
         """``B = params * bytes_per_param``: what each rank sends per message / all-reduces per step."""
         return float(self.params) * self.bytes_per_param
+
+    @property
+    def group_bytes_per_rank(self) -> float:
+        """What a group all-reduce step sums per rank: ``B``, except that decent_comm's optimizers (``"auto"``)
+        sum a bf16/fp16 wire's groups in the parameters' float32 (a sum in the wire dtype rounds every partial
+        sum: decent_comm/optim/wire_buffers.py)."""
+        if self.exchange == "auto":
+            return float(self.params) * max(self.bytes_per_param, WIRE_DTYPES["fp32"])
+        return self.bytes_per_rank
+
+    @property
+    def group_buckets(self) -> int:
+        """All-reduce buckets of a group step: ``ceil(group_bytes_per_rank / bucket_bytes)`` (at least 1)."""
+        return max(1, math.ceil(self.group_bytes_per_rank / self.bucket_bytes))
+
+    @property
+    def wire_is_8bit(self) -> bool:
+        """The 8-bit wire (or any under 2 bytes): its per-edge deltas cannot be summed, so "auto" never groups."""
+        return self.bytes_per_param < 2
 
     @property
     def buckets(self) -> int:
