@@ -13,6 +13,10 @@ with W'(t) = (1 - a) I + a W(t) taken from topology.matrix(t), the replicas' par
 gradients from a float64 copy of the model, and the update directions from the formulas in
 mix_reference.py (not from the kernels).
 
+bf16/fp16 wire (the parameters are float32): a point-to-point step mixes the rounded copies Z = wire(X) in
+difference form, X_i + sum_{j != i} W'_ij (Z_j - Z_i); a group step (W(t) averages uniformly within groups, one of
+>= 3 ranks: run as all-reduces) sums unrounded, X <- W' X; delayed_mix's copies of a group round are unrounded too.
+
 int8 wire (wire_dtype torch.int8): on a gossip round every rank advances its public copy Z by the quantized
 change (tests/int8_reference.py) and the mix uses the copies, X_i + sum_{j != i} W'_ij (Z_j - Z_i) (AWC: of x^t, ATC:
 of the half step, delayed_mix: the copies of the previous round as the correction).
@@ -79,6 +83,18 @@ class Reference:
     def _wire(self, x):
         return x.to(self.wire_dtype).double() if self.wire_dtype is not None else x
 
+    def _lossy(self):
+        return self.wire_dtype in (torch.bfloat16, torch.float16)
+
+    def _group_round(self):
+        """Whether this round's W averages uniformly within groups, one of >= 3 ranks (then all-reduced)."""
+        since = self.t - self.warmup_steps
+        W = self.topology.matrix(since // self.gossip_every)
+        support = [frozenset(j for j in range(self.n) if W[i, j] > 1e-12) for i in range(self.n)]
+        uniform = all(abs(W[i, j] - 1 / len(support[i])) < 1e-9 and support[j] == support[i]
+                      for i in range(self.n) for j in support[i])
+        return uniform and max(len(g) for g in support) >= 3
+
     def _correct(self, X):
         """delayed_mix: X_i + sum_{j != i} W'_ij (Z_j - Z_i) with the round in flight, on a gossip round."""
         if self.sent is None or not self._is_round():
@@ -92,21 +108,22 @@ class Reference:
         """What a round sends: the int8 wire's public copies (after this round's change), else X on the wire."""
         if self.copies is not None:
             return self.copies.encode(X, observed, (self.t - self.warmup_steps) // self.gossip_every)
-        return [self._wire(x) for x in X]
+        return list(X) if self._lossy() and self._group_round() else [self._wire(x) for x in X]
 
     def _is_round(self):
         since = self.t - self.warmup_steps
         return since >= 0 and since % self.gossip_every == 0
 
     def _mix(self, W, X):
+        lossy = self._lossy() and self._is_round()
+        if lossy and not self._group_round():
+            return self._diff_mix(W, [self._wire(x) for x in X], X)
         out = []
         for i in range(self.n):
             acc = W[i, i] * X[i]
             for j in range(self.n):
                 if j != i and W[i, j] != 0:
-                    y = X[j]
-                    if self.wire_dtype is not None:
-                        y = y.to(self.wire_dtype).double()
+                    y = X[j] if lossy else self._wire(X[j])
                     acc = acc + W[i, j] * y
             out.append(acc)
         return out

@@ -18,7 +18,7 @@ from optim_cases import make_model, resumed_vs_straight, run_against_reference, 
 def _bf16_wire(rank, n):
     return [run_against_reference(rank, n, "dadamw", T.make(name, n), "awc", steps=9, delayed_mix=True,
                                   gossip_every=2, comm_dtype=torch.bfloat16, consensus=0.7)
-            for name in ("ring", "one-peer-exp")]  # point to point: a group step's bf16 all-reduce rounds its sum
+            for name in ("ring", "one-peer-exp", "complete")]  # complete: group rounds, summed in float32
 
 
 def test_delayed_mix_bf16_wire_matches_dense_simulation():

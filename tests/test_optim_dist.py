@@ -45,6 +45,13 @@ def _special_cases(rank, n):
     topo = T.make("one-peer-exp", n)
     return dict(
         bf16_wire=run_against_reference(rank, n, "dadamw", topo, "awc", comm_dtype=torch.bfloat16),
+        bf16_wire_atc=run_against_reference(rank, n, "dsgd", topo, "atc", comm_dtype=torch.bfloat16),
+        # group steps (complete: one all-reduce of 4) sum unrounded, beside point-to-point ones (aer-pair, 2 x 2)
+        bf16_wire_groups=run_against_reference(rank, n, "dadamw", T.make("complete", n), "awc",
+                                               comm_dtype=torch.bfloat16, consensus=0.5),
+        fp16_wire_groups_atc=run_against_reference(rank, n, "dadam", T.make("aer", n, local_world_size=2,
+                                                                            inter="pair"), "atc",
+                                                   comm_dtype=torch.float16),
         consensus_half=run_against_reference(rank, n, "dsgd", topo, "awc", consensus=0.5),
         consensus_callable=run_against_reference(rank, n, "dadam", topo, "atc", consensus=lambda t: 0.3 + 0.05 * (t % 3)),
     )

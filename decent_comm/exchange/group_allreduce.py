@@ -129,7 +129,7 @@ class GroupAllReduce:
                              f"{send.numel()} on {send.device}")
         if self._agreed.get((bucket, g)) != (total.numel(), total.dtype):
             self._agree(bucket, g, (total.numel(), total.dtype))
-        total.copy_(send)  # summed in place, in the receive buffer's dtype (the wire dtype)
+        total.copy_(send)  # summed in place, in the receive buffer's dtype (optimizers: the bucket's, wire_buffers.py)
         try:
             work = dist.all_reduce(total, group=self._pgs[g], async_op=True)
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)

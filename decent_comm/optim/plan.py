@@ -176,16 +176,17 @@ class GroupSteps:
             return self._mine[i].get(step % self.topology.candidates[i].period)
         return self._mine[0].get(step % self.topology.period)
 
-    def buffers_per_rank(self, candidate: int, world_size: int) -> float:
+    def buffers_per_rank(self, candidate: int, world_size: int, group_width: float = 1.0) -> float:
         """Buffers moved per rank and step by candidate `candidate` (mean over ranks and up to 64 steps of its
-        period): 2 (|G| - 1) / |G| on a group step, one per send peer otherwise."""
+        period): 2 (|G| - 1) / |G| on a group step, one per send peer otherwise. `group_width`: a group step's
+        bytes per element over a point-to-point step's (its sums run in the buckets' dtype, wire_buffers.py)."""
         topo = self.topology.candidates[candidate] if isinstance(self.topology, Adaptive) else self.topology
         table = self.tables[candidate]
         steps = range(min(topo.period, 64))
         total = 0.0
         for t in steps:
             size = {r: len(g) for g in table.get(t, []) for r in g}
-            total += sum(2 * (size[r] - 1) / size[r] if r in size else len(topo.peers(r, t).send)
+            total += sum(group_width * 2 * (size[r] - 1) / size[r] if r in size else len(topo.peers(r, t).send)
                          for r in range(world_size))
         return total / (world_size * len(steps))
 

@@ -14,10 +14,13 @@ disagreement of each mix, and saves / restores where the schedule stands. It com
          mixed at the end of the step.
     awc with cadence.delayed_mix: the step of round r mixes in round r - 1's exchange as a correction, then
          launches round r's exchange of a copy z of x^{t+1}, which stays in flight until round r + 1.
+
+A lossy wire (bf16/fp16 below the buckets' dtype) mixes point-to-point steps in difference form and sums group
+steps in the buckets' dtype (wire_buffers.py says why).
 """
 
 import logging
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,8 +40,10 @@ from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
 from .tracing import traced
 from .warmup import WarmupAverage
+from .wire_buffers import WireBuffers
 
 log = logging.getLogger("decent_comm")
+
 
 MODES = ("awc", "atc")
 
@@ -64,8 +69,6 @@ class GossipSchedule(ScheduleCheckpoint):
         self.pending = set()             # atc: buckets received but not yet mixed
         self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
         self._resume_factor = None       # consensus factor of step t restored from a checkpoint
-        self._recv: Dict[int, List[torch.Tensor]] = {b.index: [] for b in buckets}
-        self._sent: Dict[int, torch.Tensor] = {}  # delayed_mix: the copy z of each bucket in flight (wire dtype)
         self._restored = False           # delayed_mix: a checkpoint's correction (b.state[CORRECTION]) is due
         self._checkpointed = False       # delayed_mix: the last checkpoint_correction() found a round in flight
         self._wire_round = None          # int8 wire: (step, factor) of the round in flight at the last checkpoint
@@ -75,6 +78,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
+        self.buffers = WireBuffers(buckets, comm_dtype, self.wire)
         self.groups = GroupSteps.scan(topology, rank, world_size, "p2p" if self.wire is not None else exchange)
         if self.groups is not None and process_group is not None and \
                 dist.get_world_size(process_group) != dist.get_world_size():
@@ -96,8 +100,10 @@ class GossipSchedule(ScheduleCheckpoint):
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
-            if self.groups is not None:  # what each candidate really moves per step
-                topology.costs = [self.groups.buffers_per_rank(i, world_size) for i in range(len(topology.candidates))]
+            if self.groups is not None:  # what each candidate really moves per step (group sums: the buckets' dtype)
+                width = self.buffers.group_width(buckets)
+                topology.costs = [self.groups.buffers_per_rank(i, world_size, group_width=width)
+                                  for i in range(len(topology.candidates))]
         if self.wire is not None and self.adaptive is None:  # an adaptive topology's copies come as it decides
             self.wire.allocate_copies(buckets)
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
@@ -138,29 +144,16 @@ class GossipSchedule(ScheduleCheckpoint):
 
     # -------------------------------------------------------------------------------------- communication
 
-    def _wire_buffer(self, b) -> torch.Tensor:
-        if self.wire is not None:
-            return self.wire.payload_buffer(b)
-        return b.new_flat(self.comm_dtype or b.dtype, zero=False)
-
-    def _recv_buffers(self, b, k: int) -> List[torch.Tensor]:
-        bufs = self._recv[b.index]
-        while len(bufs) < k:
-            bufs.append(self._wire_buffer(b))
-        return bufs[:k]
-
     def _send_buffer(self, b, plan: MixPlan) -> torch.Tensor:
         """What bucket b sends: its flat buffer, which stays put until the exchange is mixed (the next step);
-        with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval; with the
-        int8 wire the quantized change of its public copy (which then plays z's part)."""
+        with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval; over a
+        lossy wire's point-to-point steps too, as the difference form mixes z; with the int8 wire the quantized
+        change of its public copy (which then plays z's part)."""
         if self.wire is not None:
             return self.wire.encode(b, plan)
-        if not self.cadence.delayed_mix:
+        if not self.buffers.sends_copy(plan, self.cadence.delayed_mix):
             return b.flat
-        z = self._sent.get(b.index)
-        if z is None:
-            z = self._sent[b.index] = self._wire_buffer(b)
-        return z.copy_(b.flat)
+        return self.buffers.send_copy(b, plan)
 
     @traced("exchange_launch")
     @torch.no_grad()
@@ -175,7 +168,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._wire_restored = False
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
-                recvs = self._recv_buffers(b, plan.num_buffers)
+                recvs = self.buffers.received(b, plan)
                 send = self._send_buffer(b, plan)
                 if plan.group is not None:
                     self.exchange.exchange(b.index, send, recvs, group=plan.group)
@@ -209,13 +202,13 @@ class GossipSchedule(ScheduleCheckpoint):
         it reads (MixInputs.copies), except under check_finite, which looks at the copies before any mix."""
         if self.exchange is not None and not plan.silent and not self._wire_restored:
             self.exchange.wait(b.index)
-        bufs = self._recv_buffers(b, plan.num_buffers) if plan.num_buffers else []
+        bufs = self.buffers.received(b, plan) if plan.num_buffers else []
         if plan.correction == "checkpoint":
             return MixInputs([b.state[CORRECTION]])
         mix = MixInputs(bufs)
         if plan.correction == "sent":  # the int8 wire: the neighbours' public copies after what they sent
             mix = self.wire.inputs(b, plan, bufs, fuse and not self.check_finite) if self.wire is not None else \
-                MixInputs(bufs + [self._sent[b.index]])
+                MixInputs(bufs + [self.buffers.copy_of(b, plan)])
         if self.check_finite:
             for k, y in enumerate(mix.neighbors[:plan.num_buffers]):
                 if not torch.isfinite(y).all():
@@ -257,8 +250,11 @@ class GossipSchedule(ScheduleCheckpoint):
         return self._mix_form(plan)
 
     def _mix_form(self, plan: MixPlan) -> MixPlan:
-        """The int8 wire mixes the public copies in difference form (as a correction); other wires the plan."""
-        return plan.as_correction(plan.step) if self.wire is not None and not plan.silent else plan
+        """The int8 wire mixes the public copies in difference form (as a correction), a lossy wire the copies z
+        of its point-to-point steps; other wires and group steps the plan."""
+        if plan.silent or not (self.wire is not None or (self.buffers.lossy and plan.group is None)):
+            return plan
+        return plan.as_correction(plan.step)
 
     def finish_step(self):
         """awc: step t is done; launch the exchange of x^{t+1} (delayed_mix: round t's, when t is a round)."""
@@ -326,7 +322,8 @@ class GossipSchedule(ScheduleCheckpoint):
     def sending_parameters(self) -> set:
         """The buckets whose flat buffer itself (no copy, no conversion) is on the wire: AWC all, ATC the pending."""
         plan = self.inflight
-        if self.exchange is None or plan is None or plan.silent or self.wire is not None or self.cadence.delayed_mix:
+        if self.exchange is None or plan is None or plan.silent or self.wire is not None or self.cadence.delayed_mix \
+                or self.buffers.lossy:
             return set()
         ids = self.pending if self.mode == "atc" else {b.index for b in self.buckets}
         return {i for i in ids if self.comm_dtype in (None, self.buckets[i].dtype)}
@@ -356,10 +353,10 @@ class GossipSchedule(ScheduleCheckpoint):
         """After a switch, drop receive buffers the new candidate never needs (a dense graph holds many)."""
         start = self.topology.decided
         topo = self.topology.topology_at(start)
-        need = max(1 if self.groups is not None and self.groups.group_of(t) is not None
-                   else len(topo.peers(self.rank, t).recv) for t in range(start, start + min(topo.period, 64)))
-        for bufs in self._recv.values():
-            del bufs[need:]
+        steps = range(start, start + min(topo.period, 64))
+        grouped = {t for t in steps if self.groups is not None and self.groups.group_of(t) is not None}
+        self.buffers.trim(max((len(topo.peers(self.rank, t).recv) for t in steps if t not in grouped), default=0),
+                          groups=bool(grouped))
 
     @property
     def bytes_sent(self) -> int:

@@ -1,0 +1,70 @@
+"""bf16 / fp16 wires (comm_dtype below the parameters' float32): what the rounding must not do. The dense
+simulations with these wires are in test_optim_dist.py and test_delayed_mix.py; these are the symptoms users saw.
+
+- An update smaller than the wire's resolution is kept: a LayerNorm-like gain at 1.0 under DAdamW lr 3e-4, which
+  the wire rounds to steps of 2^-8, moved 6e-4 in 100 steps over bf16 (the mix pulled it back to a bf16 value every
+  round) instead of torch AdamW's 3e-2.
+- A group step (complete: one all-reduce) neither drifts nor overflows: summed in the wire dtype, the replicas'
+  mean moved by 1e-2 at lr 0 over bf16, and fp16 values of 3e4-6e4 summed over 3 ranks became inf.
+"""
+
+import pytest
+import torch
+
+import decent_comm
+
+from dist_utils import run_ranks
+
+
+def _gain_after_100_steps(rank, n, mode, wire):
+    out = {}
+    for label in ("torch", "decent_comm"):
+        gain = torch.nn.Parameter(torch.ones(8))
+        opt = torch.optim.AdamW([gain], lr=3e-4, weight_decay=0.0) if label == "torch" else \
+            decent_comm.DAdamW([gain], lr=3e-4, weight_decay=0.0, topology="one-peer-exp", mode=mode,
+                               comm_dtype=wire, timeout=30)
+        for _ in range(100):
+            gain.grad = torch.ones(8)  # the same on every rank: the replicas stay equal, as torch's single copy
+            opt.step()
+        if label == "decent_comm":
+            opt.synchronize()
+            opt.shutdown()
+        out[label] = gain.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("mode,wire", [("awc", torch.bfloat16), ("atc", torch.bfloat16), ("awc", torch.float16)])
+def test_updates_below_the_wire_resolution_are_kept(mode, wire):
+    for r, out in enumerate(run_ranks(_gain_after_100_steps, 2, mode, wire, timeout=120)):
+        moved = 1.0 - out["torch"][0].item()
+        assert abs(moved - 0.03) < 1e-4, moved
+        # float32 rounding only: the kernels add x + w z_j first, then - w z_i (at most 6e-8 a step here)
+        assert torch.allclose(out["decent_comm"], out["torch"], rtol=0, atol=1e-5), (r, out)
+
+
+def _group_average(rank, n, wire):
+    base = 3e4 + 3e4 * torch.rand(3000, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x0 = [base + 1e3 * r for r in range(n)]  # distinct replicas, each value within fp16's range (65504)
+    p = torch.nn.Parameter(x0[rank].float())
+    opt = decent_comm.DSGD([p], lr=0.0, topology="complete", comm_dtype=wire, timeout=30, consensus=0.5,
+                           broadcast_init=False)
+    for _ in range(3):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    opt.synchronize()
+    used_groups = opt._schedule.exchange.groups is not None and opt._schedule.exchange.groups.bytes_sent > 0
+    sent = opt.bytes_sent
+    opt.shutdown()
+    # consensus 0.5 on complete: x_i <- x_i / 2 + mean / 2, so x_i - mean halves each step and the mean stays
+    mean = sum(x0) / n
+    expected = mean + (x0[rank] - mean) / 8
+    return (p.detach().double() - expected).abs().max().item() / mean.abs().max().item(), used_groups, sent
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_group_steps_sum_unrounded_in_the_parameters_dtype(wire):
+    for r, (err, used_groups, sent) in enumerate(run_ranks(_group_average, 3, wire, timeout=120)):
+        assert used_groups, r
+        assert err < 1e-6, (r, err)
+        # 4 all-reduces (AWC: each step launches the next one's) of 4-byte elements among 3 ranks
+        assert sent == 4 * 3000 * 4 * 2 * (3 - 1) // 3, (r, sent)
