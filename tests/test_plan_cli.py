@@ -127,10 +127,12 @@ BAD = [
     (lambda p: ["--compute-sample", "10ms,fast"], "--compute-sample"),
     (lambda p: ["--compute-sample", ","], "--compute-sample"),
     (lambda p: ["--compute-sample", "10ms,1e300s"], "--compute-sample"),
+    (lambda p: ["--compute-sample", "100,120"], "--compute-sample"),  # units needed, as for --compute
     (["--measure", "--device", "tpu:9"], "--device"),
     (["--measure", "--device", "cuda:7"], "--device"),
     (["--measure", "--device", "meta"], "--device"),
     (["--measure", "--model", "no_such_module:f"], "--model"),
+    (["--measure", "--model", "model_raising_at_import:f"], "--model"),  # a traceback before
     (["--measure", "--model", "os:getcwd"], "--model"),
     (["--measure", "--model", "test_plan_cli:raising_model"], "--model"),
     (["--measure", "--model", "nocolon"], "--model"),
@@ -264,5 +266,41 @@ def test_the_8bit_wire_is_priced_as_it_runs():
         assert runs["int8"][name]["step_seconds"] == runs["int8-p2p"][name]["step_seconds"], name
     assert runs["int8"]["allreduce"]["step_seconds"] == runs["fp32"]["allreduce"]["step_seconds"]
     assert runs["int8"]["recommended"] != "aer-pair"
+    # every row's speedup, gamma and omega are against the All-Reduce row shown (they were against int8 gradients)
+    ar = runs["int8"]["allreduce"]
+    for name in runs["int8"]["candidates"][1:]:
+        row = runs["int8"][name]
+        assert row["speedup"] == pytest.approx(ar["step_seconds"] / row["step_seconds"], rel=1e-9), name
+        assert row["gamma"] == pytest.approx(runs["fp32"][name]["gamma"], rel=1e-9), name
     code, _, err = run_cli(base + ["--wire-dtype", "int8", "--exchange", "group-allreduce"])
     assert code == 2 and "point to point" in err
+
+
+def test_a_recipe_is_priced_on_its_own_wire_whatever_the_plan_wire():
+    """The time-to-loss recipes name their wire (bf16 gossip, fp32 periodic averaging): --wire-dtype changes the
+    table's rows, not what a recipe moves (under int8 the bf16 recipes were priced with int8 bytes, periodic
+    averaging with bf16 all-reduces under bf16)."""
+    steps = {}
+    for wire in ("fp32", "bf16", "int8"):
+        code, out, _ = run_cli(SLOW_LINKS + ["--topologies", "one-peer-exp", "--wire-dtype", wire])
+        assert code == 0
+        steps[wire] = {(x["family"], x["mode"], x["gossip_every"], x["delayed_mix"], x["wire"]): x["step_seconds"]
+                       for x in json.loads(out)["time_to_quality"] if x["family"] != "allreduce"}
+    for key, seconds in steps["fp32"].items():
+        # the communication is rescaled by bytes (its microseconds of link latency with it)
+        assert steps["bf16"][key] == pytest.approx(seconds, rel=1e-3), key
+        assert steps["int8"][key] == pytest.approx(seconds, rel=1e-3), key
+
+
+def test_a_schedule_that_never_averages_is_not_recommended():
+    """local (spectral gap 0) won as "none reaches the threshold: all topologies compete", and its recipes were
+    priced with the one-peer multipliers (0.70x DDP's time to its loss, a loss local never reaches)."""
+    code, out, _ = run_cli(SLOW_LINKS + ["--topologies", "local,ring"])
+    assert code == 0
+    d = json.loads(out)
+    assert d["recommended"] != "local"
+    assert all(x["topology"] != "local" for x in d["time_to_quality"])
+    code, out, _ = run_cli(SLOW_LINKS + ["--topologies", "local"])
+    d = json.loads(out)
+    assert code == 0 and d["recommended"] == "allreduce"
+    assert {x["family"] for x in d["time_to_quality"]} == {"allreduce", "periodic"}

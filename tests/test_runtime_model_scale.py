@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from decent_comm import topology as T
-from decent_comm.runtime_model import ClusterConfig, ComputeTime, Workload, plan, predict
+from decent_comm.runtime_model import ClusterConfig, ComputeTime, Workload, plan, predict, simulate
 from decent_comm.runtime_model import planner as planner_mod
 from decent_comm.runtime_model.closed_form import make_topology
 from decent_comm.runtime_model.hardware import MAX_WORLD_SIZE
@@ -227,3 +227,14 @@ def test_runtime_model_runs_nothing():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "torch" for n in names), (path.name, names)
+
+
+def test_simulate_takes_a_topology_name_as_predict_does():
+    """simulate(cluster, workload, "ring") failed with AttributeError ('str' has no world_size)."""
+    c, w = cluster(2, 2), work(sd=0.0)
+    assert simulate(c, w, "ring", steps=60, warmup=5).step_seconds == pytest.approx(
+        predict(c, w, "ring").step_seconds, rel=1e-9)
+    with pytest.raises(ValueError, match="unknown topology 'ring-x'"):
+        simulate(c, w, "ring-x")
+    with pytest.raises(ValueError, match="cluster is 2 nodes x 2 ranks"):
+        simulate(c, w, make_topology("ring", 8, 4))

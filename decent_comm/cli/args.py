@@ -126,6 +126,10 @@ def read_sample(text: str, flag: str = "--compute-sample") -> list:
         raise ValueError(f"{flag} {text!r}: no values")
     if len(items) > MAX_SAMPLE:
         raise ValueError(f"{flag}: more than {MAX_SAMPLE} values")
+    bare = [t.strip() for t in items if _is_bare_number(t) and float(t) != 0] if where == "list" else []
+    if bare:  # as --compute: typed on the command line, "100,120" meant milliseconds more often than seconds
+        raise ValueError(f"{flag} {text!r}: {bare[0]!r} needs a unit, e.g. 120ms,0.12s (a file may hold bare "
+                         "seconds, one per line)")
     try:
         return [in_range(units.parse_duration(t), DURATION_RANGE, t, "duration") for t in items]
     except units.UnitError as e:

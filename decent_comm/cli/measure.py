@@ -55,8 +55,8 @@ def load_model(spec: str):
     mod_name, fn_name = spec.split(":", 1)
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"--model: cannot import {mod_name!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - importing runs the user's module, which may raise anything
+        raise ValueError(f"--model: cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--model: {mod_name!r} has no callable {fn_name!r}")

@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-std", type=DURATION, default=0.0,
                    help="its standard deviation (default 0)")
     g.add_argument("--compute-sample", metavar="FILE|LIST",
-                   help="measured step times: a file with one duration per line or a comma list (resampled)")
+                   help="measured step times: a file with one duration per line (bare numbers: seconds) or a comma "
+                        "list with units, e.g. 118ms,121ms (resampled)")
     g.add_argument("--forward-fraction", type=number(0, 1), default=1 / 3, help="forward share of compute (1/3)")
     g.add_argument("--backward-fraction", type=number(0, 1), default=2 / 3, help="backward share of compute (2/3)")
     g.add_argument("--mode", choices=MODES, default="awc",
@@ -195,6 +196,8 @@ def build_inputs(args, parser):
             notes.append("--compute given: --compute-sample / measured times not used")
     else:
         sample = args.compute_sample
+        if args.compute_std:
+            notes.append("--compute-std not used: the sample's own spread is")
         compute = ComputeTime.from_sample(sample if isinstance(sample, list) else read_sample(sample), **fractions)
     exchange = args.exchange
     if args.wire_dtype == "int8":

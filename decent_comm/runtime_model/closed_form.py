@@ -135,8 +135,10 @@ def predict_allreduce(cluster, workload) -> Prediction:
                               if cluster.nodes > 1 else 0.0))
 
 
-def predict_gossip(cluster, workload, topology) -> Prediction:
-    """``Prediction`` for the gossip schedule ``topology`` (name or ``Topology``)."""
+def predict_gossip(cluster, workload, topology, allreduce_workload=None) -> Prediction:
+    """``Prediction`` for the gossip schedule ``topology`` (name or ``Topology``); its ``speedup``, ``gamma`` and
+    ``omega`` are against All-Reduce of ``allreduce_workload`` (default ``workload``: DDP has no 8-bit wire, so
+    the planner prices it with fp32 gradients then)."""
     topo = resolve_topology(topology, cluster)
     comp = workload.compute
     mu, sd = comp.mean, comp.std
@@ -154,7 +156,7 @@ def predict_gossip(cluster, workload, topology) -> Prediction:
     T = float(per_rank[slow])
     D_slow = float(D[:, slow].mean())
     pen = float(sd * g[:, slow].mean())
-    ar_step, ar = _allreduce(cluster, workload)
+    ar_step, ar = _allreduce(cluster, workload if allreduce_workload is None else allreduce_workload)
     gamma = ar.comm_seconds / mu if mu > 0 else float("inf") if ar.comm_seconds else 0.0
     return Prediction(
         name=topo.name, kind="gossip", step_seconds=T, speedup=ar_step / T if T > 0 else 1.0,

@@ -173,7 +173,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
         seen.add(name)
         try:
             topo = make_topology(name, n, L)
-            gossip.append((name, topo, predict_gossip(cluster, workload, topo)))
+            gossip.append((name, topo, predict_gossip(cluster, workload, topo, ar_workload)))
         except ValueError as e:  # cannot be built for this cluster, or too dense (TooManyMessages)
             skipped.append((name, str(e)))
     sims = _simulate_all(cluster, workload, ar_workload, gossip, simulate_steps, warmup, seed, notes) \
@@ -194,7 +194,9 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     if unknown:
         notes.append(f"spectral gap not computed for {', '.join(unknown)}: above {MAX_GAP_WORLD_SIZE} ranks only"
                      " circulant and finite-time exact schedules get one (counted as eligible)")
-    gossip_cands = cands[1:]
+    # A schedule that never averages (gap 0: local) never reaches All-Reduce's loss: it does not compete even when
+    # no topology reaches the threshold (it was recommended, and priced with the one-peer multipliers).
+    gossip_cands = [c for c in cands[1:] if c.gap_per_step is None or c.gap_per_step > 0]
     eligible = [c for c in gossip_cands if c.eligible] or gossip_cands
     basis = "simulated" if sims else "closed-form"
     pool = [cands[0]] + eligible
@@ -206,7 +208,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     priced = [c for c in eligible if c.name.startswith("one-peer")] or eligible
     fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
     quality = price(ar_pred, fastest_gossip.prediction if fastest_gossip else None, workload.compute.mean,
-                    workload.bytes_per_param, workload.compute.forward_fraction)
+                    workload.bytes_per_param, workload.compute.forward_fraction, ar_workload.bytes_per_param)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
 

@@ -96,22 +96,25 @@ def _gossip_step(per_round_comm, compute: float, k: int, delayed: bool, hidden_f
     return compute + sum(max(0.0, d - hidden) for d in rounds) / len(rounds) / k
 
 
-def price(allreduce, gossip, compute: float, bytes_per_param: float, forward_fraction: float) -> List[Priced]:
+def price(allreduce, gossip, compute: float, bytes_per_param: float, forward_fraction: float,
+          allreduce_bytes_per_param: Optional[float] = None) -> List[Priced]:
     """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``; `gossip`: the
     ``Prediction`` of the topology gossip recipes use (None: only All-Reduce and periodic averaging); `compute`: the
-    mean compute time per step, `forward_fraction` its forward's share; `bytes_per_param`: the wire the
-    predictions were made for."""
+    mean compute time per step, `forward_fraction` its forward's share; `bytes_per_param`: the wire the gossip
+    prediction was made for, `allreduce_bytes_per_param` All-Reduce's (default the same). A recipe moves its own
+    wire's bytes (periodic averaging: the float32 parameters), its communication rescaled from the prediction's."""
     ar_step = allreduce.step_seconds
     out = []
     for kind in RECIPES:
         if kind.family == "allreduce":
             step, topo = ar_step, None
         elif kind.family == "periodic":
-            step, topo = compute + max(0.0, allreduce.comm_seconds - compute) / kind.gossip_every, "complete"
+            comm = allreduce.comm_seconds * WIRE_BYTES[kind.wire] / (allreduce_bytes_per_param or bytes_per_param)
+            step, topo = compute + max(0.0, comm - compute) / kind.gossip_every, "complete"
         elif gossip is None:
             continue
         else:
-            scale = min(1.0, WIRE_BYTES[kind.wire] / bytes_per_param)
+            scale = WIRE_BYTES[kind.wire] / bytes_per_param
             rounds = [d * scale for d in (gossip.per_step_comm_seconds or (gossip.comm_seconds,))]
             hidden = forward_fraction if kind.mode == "atc" else 1.0
             step = _gossip_step(rounds, compute, kind.gossip_every, kind.delayed_mix, hidden)

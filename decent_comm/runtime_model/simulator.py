@@ -57,6 +57,7 @@ import dataclasses
 import numpy as np
 
 from .allreduce import allreduce_cost
+from .closed_form import resolve_topology
 from .gossip import group_costs, workload_step_groups
 from .loads import schedule_of
 
@@ -226,14 +227,12 @@ def _plan_group_step(cluster, B: float, groups, buckets: int) -> _GroupPlan | No
 
 
 def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, seed: int = 0) -> SimResult:
-    """Simulate ``steps`` steps of gossip on ``topology`` (a ``Topology``); see the module docstring."""
+    """Simulate ``steps`` steps of gossip on ``topology`` (a built-in name or a ``Topology``, as ``predict``
+    takes); see the module docstring."""
     if steps <= warmup:
         raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
     n = cluster.world_size
-    if topology.world_size != n or topology.local_world_size != cluster.ranks_per_node:
-        raise ValueError(f"topology {topology.name!r} is for world_size={topology.world_size},"
-                         f" local_world_size={topology.local_world_size}; the cluster has"
-                         f" {cluster.nodes} x {cluster.ranks_per_node}")
+    topology = resolve_topology(topology, cluster)
     rng = np.random.default_rng(seed)
     B = workload.bytes_per_rank
     plans = []
