@@ -101,9 +101,10 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
                                        ("--delayed-mix", args.delayed_mix), ("--int8-wire", getattr(args, "int8_wire", False)))
                  if on]
         if given:  # refused, not ignored: a comparison of recipes must not think they took effect
+            why = ("DDP has no 8-bit gradient hook here; --bf16-wire compresses its gradients"
+                   if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
             raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
-                             "(DDP all-reduces the gradients every step; it has no 8-bit gradient hook here, use "
-                             "--bf16-wire)")
+                             f"({why})")
         cls = TORCH_OPTIMIZERS[name.split("-", 1)[1] if "-" in name else "adamw"]
         forward = model
         if env.distributed:

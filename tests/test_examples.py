@@ -208,8 +208,9 @@ def test_decentralized_flags_are_refused_for_allreduce(flags):
     from decent_train.strategy import build_strategy
 
     args = resolve_defaults(lm.parse_args(["--optimizer", "allreduce", *flags]), lm.LR_DEFAULTS, 1)
-    with pytest.raises(ValueError, match=f"{flags[0]}: for the decentralized optimizers only"):
+    with pytest.raises(ValueError, match=f"{flags[0]}: for the decentralized optimizers only") as refused:
         build_strategy(args, torch.nn.Linear(3, 2), DistEnv())
+    assert ("8-bit" in str(refused.value)) == (flags[0] == "--int8-wire")  # its advice was given for every flag
 
 
 def test_race_specs_build_what_they_say():
