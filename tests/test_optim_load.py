@@ -133,7 +133,7 @@ def test_dsgd_uses_the_momentum_of_a_torch_sgd_checkpoint():
 
 @pytest.mark.parametrize("ctor, flag", [(decent_comm.DAdamW, "amsgrad"), (decent_comm.DAdam, "maximize"),
                                         (decent_comm.DSGD, "maximize"), (decent_comm.AccumAdamW, "amsgrad"),
-                                        (decent_comm.DAdamW, "capturable"), (decent_comm.DSGD, "differentiable")])
+                                        (decent_comm.DSGD, "differentiable")])
 def test_a_group_asking_for_what_the_kernels_do_not_do_is_refused(ctor, flag):
     """torch reads amsgrad / maximize per group: a group, a torch checkpoint or an edit of param_groups setting one
     must not train as plain Adam/SGD. The checkpoint is refused before anything is loaded, the edit at the next
@@ -161,18 +161,27 @@ def test_a_group_asking_for_what_the_kernels_do_not_do_is_refused(ctor, flag):
     assert_same(params(m), unchanged, exact=True)
 
 
-def test_a_torch_checkpoint_loads_and_continues_as_torch():
-    """Its groups carry amsgrad=False, maximize=False, foreach, capturable...: none of them refused."""
+@pytest.mark.parametrize("into", ["DAdamW", "DAdamW from a GPU run", "AccumAdamW"])
+def test_a_torch_checkpoint_loads_and_continues_as_torch(into):
+    """Its groups carry amsgrad=False, maximize=False, foreach, capturable...: none of them refused. A GPU run's
+    capturable=True does not change the update: it loads (it was refused). AccumAdamW keeps its accum_steps,
+    which torch's groups lack (the next step raised KeyError); with accum_steps=1 it is AdamW."""
     ref = model()
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
     for t in range(2):
         step(ref, ref_opt, t)
     m = model()
     m.load_state_dict(ref.state_dict())
-    opt = decent_comm.DAdamW(m.parameters(), **HP)
+    opt = decent_comm.AccumAdamW(m.parameters(), accum_steps=1, **HP) if into == "AccumAdamW" else \
+        decent_comm.DAdamW(m.parameters(), **HP)
     saved = copy.deepcopy(ref_opt.state_dict())
     assert {"amsgrad", "maximize", "capturable", "foreach"} <= set(saved["param_groups"][0])
+    if into == "DAdamW from a GPU run":
+        saved["param_groups"][0]["capturable"] = True
     opt.load_state_dict(saved)
+    if into == "AccumAdamW":
+        assert opt.param_groups[0]["accum_steps"] == 1
+    assert not opt.param_groups[0]["capturable"]
     for t in range(2, 4):
         step(m, opt, t)
         step(ref, ref_opt, t)
@@ -332,3 +341,20 @@ def test_dcp_per_rank_checkpoints_resume_every_replica_exactly(tmp_path):
     docs/api.md saves each rank under its own, and every rank resumes its own trajectory exactly."""
     from dist_utils import run_ranks
     assert run_ranks(_dcp_per_rank_resume, 3, str(tmp_path), timeout=300) == [0.0] * 3
+
+
+def test_accum_steps_missing_from_a_checkpoint_keeps_the_constructors():
+    saved = decent_comm.DAdamW(model().parameters(), **HP).state_dict()
+    opt = decent_comm.AccumAdamW(model().parameters(), accum_steps=3, **HP)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["accum_steps"] == 3
+
+
+def test_a_capturable_edit_between_steps_is_still_refused():
+    """Only a loaded checkpoint's capturable is dropped: asked for, in the constructor or by an edit, it is refused."""
+    m = model()
+    opt = decent_comm.DAdamW(m.parameters(), **HP)
+    step(m, opt, 0)
+    opt.param_groups[0]["capturable"] = True
+    with pytest.raises(ValueError, match=r"param group 0\): capturable=True is not supported"):
+        step(m, opt, 1)

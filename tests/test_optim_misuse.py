@@ -3,6 +3,8 @@ sparse gradients, parameters sharing memory, a model converted after constructio
 exchange is in flight, add_param_group, a model left in DDP, and options checked whatever the world size. Ranks that
 disagree are in test_optim_mismatch.py; late, silent, dead or non-finite ranks in test_optim_faults.py."""
 
+import re
+
 import pytest
 import torch
 
@@ -92,6 +94,21 @@ def test_options_are_checked_at_world_size_one(bad, match):
         decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), **bad)
 
 
+def test_a_launchers_job_without_a_process_group_is_refused(monkeypatch):
+    """Built before init_process_group under torchrun: on one node of 2 it failed with "local_world_size=2 must
+    divide world_size=1" (a flag the user never gave); on 2 nodes of 1 every rank trained alone, silently."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for world in ("2", " 4"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(RuntimeError, match=f"not initialized, but WORLD_SIZE={world.strip()} .*init_process_group"):
+            decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), topology="aer")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process that inherited a launcher's LOCAL_WORLD_SIZE: as torch's
+    lin = torch.nn.Linear(2, 2)
+    opt = decent_comm.DAdamW(lin.parameters(), topology="aer")
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+
+
 def test_model_converted_after_construction_is_named():
     lin = torch.nn.Linear(2, 2)
     opt = decent_comm.DAdamW(lin.parameters())
@@ -101,6 +118,63 @@ def test_model_converted_after_construction_is_named():
     with pytest.raises(RuntimeError, match=r"model\.to\(\.\.\.\).*after the optimizer was built"):
         opt.step()
     assert torch.equal(lin.weight, before)
+
+
+RESHAPED = {  # a parameter, and the same elements in another shape
+    "contiguous": (lambda: torch.randn(3, 5), (5, 3)),
+    "transposed": (lambda: torch.randn(5, 3).t(), (1, 15)),
+    "channels_last": (lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), (5, 4, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("layout", RESHAPED)
+def test_a_parameter_reshaped_after_construction_is_refused(layout):
+    """p.data = a tensor of another shape (same elements): laid over the slot's strides, the new shape wrote into
+    the next parameter (a transposed (3, 5) given (1, 15): 9 elements of its zero neighbour changed); contiguous,
+    the state kept the old shape and the optimizer's own state_dict no longer loaded."""
+    make, shape = RESHAPED[layout]
+    p, neighbour = torch.nn.Parameter(make()), torch.nn.Parameter(torch.zeros(64))
+    opt = decent_comm.DAdamW([p, neighbour], lr=0.1)
+    p.data = torch.ones(shape)
+    p.grad, neighbour.grad = torch.ones(shape), torch.zeros(64)
+    with pytest.raises(RuntimeError, match=rf"parameter 0 of bucket 0 is now .* of shape {re.escape(str(shape))}, "
+                                           r"where .* reshaped"):
+        opt.step()
+    assert torch.equal(neighbour, torch.zeros(64))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_parameters_tied_after_construction_are_refused(groups):
+    """b.data = a.data after the optimizer was built (in one bucket, or in two: two param groups): copied back
+    into b's own slot, the tie was silently undone (torch updates the shared memory through both)."""
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = decent_comm.DSGD([a, b] if groups == 1 else [{"params": [a]}, {"params": [b]}], lr=0.1)
+    b.data = a.data
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    where = "parameter 1 of bucket 0" if groups == 1 else "parameter 0 of bucket 1"
+    with pytest.raises(RuntimeError, match=f"{where} .*shares memory with another parameter"):
+        opt.step()
+
+
+def test_lazy_parameters_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="uninitialized parameter .*run one forward pass before"):
+        decent_comm.DAdamW(torch.nn.LazyLinear(3).parameters())
+
+
+def _too_many_buckets(rank, n):
+    import decent_comm.optim.base as base
+    base.MAX_BUCKETS = 3  # the exchange's 65536, which a step reached only after minutes of exchanges
+    try:
+        decent_comm.DSGD([torch.nn.Parameter(torch.zeros(4)) for _ in range(5)], lr=0.1, bucket_cap_mb=1e-6,
+                         timeout=30)
+        return "built"
+    except ValueError as e:
+        return str(e)
+
+
+def test_more_buckets_than_the_exchange_takes_are_refused_at_construction():
+    for r, msg in enumerate(run_ranks(_too_many_buckets, 2, timeout=120)):
+        assert "5 buckets (bucket_cap_mb=1e-06): the exchange takes at most 3" in msg, (r, msg)
 
 
 def _write_between_steps(rank, n, mode, synchronize_first):

@@ -110,6 +110,15 @@ def test_editing_a_groups_parameters_is_refused(change):
         assert torch.equal(p, b)
 
 
+def test_reordering_a_groups_parameters_is_refused_as_such():
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.05)
+    train_steps(0, model, opt, 1)
+    opt.param_groups[0]["params"].reverse()
+    with pytest.raises(RuntimeError, match="param group 0 holds its parameters in another order"):
+        train_steps(0, model, opt, 1, start=1)
+
+
 @pytest.mark.parametrize("pair", PAIRS)
 def test_a_first_step_at_lr_0_on_zero_gradients_is_a_step(pair):
     """A warm-up from lr 0 whose first batch gives zero gradients looks like torch.distributed.checkpoint's state
@@ -198,3 +207,22 @@ def test_a_shut_down_optimizer_refuses_to_step():
 def test_model_must_be_a_module():
     with pytest.raises(ValueError, match="model must be the torch.nn.Module"):
         decent_comm.DAdamW(make_model(0).parameters(), lr=0.1, mode="atc", model="net")
+
+
+def test_nesterov_with_momentum_switched_off_trains_as_torch_sgd():
+    """torch.optim.SGD checks nesterov against momentum and dampening at construction only: with momentum set to 0
+    later it steps plainly (the kernel refused, mid-step). A damped Nesterov is refused, naming the group."""
+    runs = []
+    for build in (decent_comm.DSGD, torch.optim.SGD):
+        model = make_model(0)
+        opt = build(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        train_steps(0, model, opt, 2)
+        opt.param_groups[0]["momentum"] = 0.0
+        train_steps(0, model, opt, 2, start=2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+        if build is decent_comm.DSGD:
+            opt.param_groups[0].update(momentum=0.9, dampening=0.1)
+            with pytest.raises(ValueError, match=r"param group 0\): nesterov=True with dampening=0.1"):
+                train_steps(0, model, opt, 1, start=4)
+    for ours, torchs in zip(*runs):
+        torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-7)

@@ -10,8 +10,9 @@ Every path has the same methods - ``exchange``, ``wait``, ``wait_all``, ``synchr
 failed; the object is unusable afterwards) and ``ExchangeTimeout`` (an ExchangeError and a TimeoutError).
 Bad arguments raise ``ValueError`` and leave the object usable.
 """
-from .exchanger import ExchangeError, ExchangeTimeout, Exchanger, nccl_available
+from .exchanger import MAX_BUCKETS, ExchangeError, ExchangeTimeout, Exchanger, nccl_available
 from .gossip_exchange import GossipExchange
 from .group_allreduce import GroupAllReduce
 
-__all__ = ["Exchanger", "GroupAllReduce", "GossipExchange", "ExchangeError", "ExchangeTimeout", "nccl_available"]
+__all__ = ["Exchanger", "GroupAllReduce", "GossipExchange", "ExchangeError", "ExchangeTimeout", "nccl_available",
+           "MAX_BUCKETS"]

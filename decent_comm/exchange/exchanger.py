@@ -43,7 +43,11 @@ from .._native import _C
 from . import _closing
 from .arrival import wait_for_ranks
 
-__all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available"]
+__all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available", "MAX_BUCKETS"]
+
+#: Bucket ids are 0 .. MAX_BUCKETS - 1: the ProcessGroup transport derives message tags from them
+#: (csrc/comm/transport.h, kMaxBucketId).
+MAX_BUCKETS = 1 << 16
 
 #: A transfer failed (a peer exited, a transport error); a RuntimeError.
 ExchangeError = _C.ExchangeError

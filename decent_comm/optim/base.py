@@ -22,6 +22,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
+from ..exchange import MAX_BUCKETS
 from . import amp, diagnostics
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
@@ -87,6 +88,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             self._check_group_options(self.param_groups)
             topology = resolve_topology(topology, self.world_size, process_group)
             self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
+            if self.world_size > 1 and len(self._buckets) > MAX_BUCKETS:  # else the step that reached it failed
+                raise ValueError(f"{len(self._buckets)} buckets (bucket_cap_mb={bucket_cap_mb}): the exchange takes "
+                                 f"at most {MAX_BUCKETS}; raise bucket_cap_mb (or use fewer param groups)")
             self._ddp_guard = DDPGuard(self, self._buckets, model)
             if self.world_size > 1:
                 config = replica_config(self._buckets, topology, self.param_groups, model,
@@ -198,7 +202,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                 loss = closure()
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
             for b in self._buckets:
-                gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers)
+                gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers,
+                             siblings=self._buckets)
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
             self._schedule.average_gradients(self._schedule.t, found_inf)
             self._amp, skip_update = self._amp_for_step(found_inf)
@@ -245,6 +250,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def _check_group_options(self, groups: List[dict]) -> None:
         """Raises ValueError for a param group asking for what this optimizer's update does not do (torch.optim
         reads such options per group: {"params": ..., "amsgrad": True}, or a torch optimizer's checkpoint)."""
+
+    def _complete_loaded_groups(self, groups: List[dict]) -> None:
+        """Fills in a loaded checkpoint's param groups what this optimizer needs and the saver had no key for."""
 
     def _state_names(self, group) -> List[str]:
         """Names of the flat state buffers the fused kernel of this optimizer keeps for `group`."""

@@ -8,7 +8,7 @@ same layout, exposed per parameter as views (so torch.optim's state_dict machine
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -31,6 +31,7 @@ class Slot:
     # The parameter's strides when it is dense but not contiguous (channels_last): its views keep that layout, as
     # torch's optimizers never change a parameter's memory format. None: contiguous views.
     stride: Optional[Tuple[int, ...]] = None
+    shape: Tuple[int, ...] = ()  # the parameter's shape at construction (its view's, whatever .data becomes)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Bucket:
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         seg = flat[slot.offset: slot.offset + slot.numel]
-        return seg.view_as(slot.param) if slot.stride is None else seg.as_strided(slot.param.shape, slot.stride)
+        return seg.view(slot.shape) if slot.stride is None else seg.as_strided(slot.shape, slot.stride)
 
     def new_flat(self, dtype: Optional[torch.dtype] = None, zero: bool = True) -> torch.Tensor:
         """A new flat buffer of this bucket's length (`dtype`, default the bucket's), in the next page lane."""
@@ -104,7 +105,12 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
         open_buckets: Dict[tuple, Bucket] = {}
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError("a parameter appears more than once in the optimizer's param groups")
+                raise ValueError(f"a parameter appears more than once in the optimizer's param groups (param group "
+                                 f"{gi}, shape {tuple(p.shape)})")
+            if isinstance(p, torch.nn.parameter.UninitializedParameter):
+                raise ValueError(f"param group {gi} holds an uninitialized parameter (nn.LazyLinear and the other lazy "
+                                 "modules): run one forward pass before building the optimizer, as its buffers are "
+                                 "laid out from the parameters' sizes")
             seen.add(id(p))
             if p.is_sparse or not p.is_floating_point():
                 raise ValueError(f"decentralized optimizers need dense floating-point parameters, got {p.dtype}"
@@ -118,7 +124,8 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
                 b = Bucket(len(buckets), gi, p.device, p.dtype, [], 0)
                 buckets.append(b)
                 open_buckets[key] = b
-            b.slots.append(Slot(p, b.numel, p.numel(), None if p.is_contiguous() or not _dense(p) else p.stride()))
+            b.slots.append(Slot(p, b.numel, p.numel(), None if p.is_contiguous() or not _dense(p) else p.stride(),
+                                tuple(p.shape)))
             b.numel += size
     check_no_shared_memory([s.param for b in buckets for s in b.slots])
     for b in buckets:
@@ -203,7 +210,8 @@ class Segment:
     last: int
 
 
-def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Callable[[], None]] = None) -> None:
+def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Callable[[], None]] = None,
+                 siblings: Sequence[Bucket] = ()) -> None:
     """Makes the flat gradient buffer hold every parameter's current .grad.
 
     A .grad that is already our view costs nothing; one that user code replaced (or that autograd
@@ -211,7 +219,7 @@ def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Calla
     gradient is densified when `sparse_ok` (the update is the same as from its dense form), else refused.
     A parameter whose storage is no longer its bucket's is taken back or refused first (adopt_storage).
     """
-    adopt_storage(b, before_copy)
+    adopt_storage(b, before_copy, siblings)
     with torch.no_grad():
         for i, s in enumerate(b.slots):
             g = s.param.grad
@@ -228,24 +236,34 @@ def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Calla
             elif g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
                 continue
             if g.shape != s.param.shape:
-                raise RuntimeError(f"a gradient has shape {tuple(g.shape)} but its parameter has "
-                                   f"{tuple(s.param.shape)}")
+                raise RuntimeError(f"decent_comm: parameter {i} of bucket {b.index}: its gradient has shape "
+                                   f"{tuple(g.shape)} but the parameter has {tuple(s.param.shape)}")
             view.copy_(g)
             s.param.grad = view
 
 
 @torch.no_grad()
-def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None) -> None:
-    """Parameters whose .data is no longer their view of the bucket. Same dtype, device and size: user code gave
+def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
+                  siblings: Sequence[Bucket] = ()) -> None:
+    """Parameters whose .data is no longer their view of the bucket. Same dtype, device and shape: user code gave
     them new storage (p.data = t, vector_to_parameters, p.set_(t), model.to_empty()), and torch would train that:
-    the values are copied into the view and .data points back at it. Another dtype, device or size (model.to(...),
-    .half(), .cuda()) is refused with what to do: the updates would go to a buffer the model no longer reads.
+    the values are copied into the view and .data points back at it. Another dtype, device or shape (model.to(...),
+    .half(), .cuda(), a reshape) is refused with what to do: the updates would go to a buffer the model no longer
+    reads (a view of another shape laid over the slot's strides wrote into the next parameter). Storage inside this
+    optimizer's buffers (`siblings`: its buckets), another parameter's (b.data = a.data), is refused too: copied
+    back, the tie was silently undone.
     `before_copy`: called once before the first copy (to complete the bucket's transfers: the copy writes it)."""
     for i, s in enumerate(b.slots):
         p = s.param
-        if p.dtype == b.dtype and p.device == b.device and p.numel() == s.numel:
+        if p.dtype == b.dtype and p.device == b.device and tuple(p.shape) == s.shape:
             view = b.view(b.flat, s)
             if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
+                mine = {o.flat.untyped_storage().data_ptr() for o in (b, *siblings)}
+                if p.untyped_storage().data_ptr() in mine:
+                    raise RuntimeError(
+                        f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
+                        "with another parameter of this optimizer (tied after it was built, e.g. b.data = a.data): "
+                        "tie the parameters before building the optimizer (it takes a shared parameter once)")
                 if before_copy is not None:
                     before_copy()
                     before_copy = None
@@ -253,9 +271,10 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None) -
                 p.data = view
             continue
         raise RuntimeError(
-            f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} with {p.numel()} "
-            f"elements, where the optimizer's buffer holds {s.numel} {b.dtype} elements on {b.device}: the model "
-            "was converted, moved or resized (model.to(...), .cuda(), .half()) after the optimizer was built. Build "
+            f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} of shape "
+            f"{tuple(p.shape)}, where the optimizer's buffer holds {b.dtype} of shape {s.shape} on {b.device}: the "
+            "model was converted, moved, resized or reshaped (model.to(...), .cuda(), .half()) after the optimizer was "
+            "built. Build "
             "the optimizer after moving the model (as with DDP), or build a new one and load the old one's "
             "state_dict().")
 
@@ -344,7 +363,7 @@ def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
     """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored)."""
     norms = []
     for b in buckets:
-        gather_grads(b, sparse_ok(b))
+        gather_grads(b, sparse_ok(b), siblings=buckets)
         for seg in segments(b, [0] * len(b.slots)):
             if seg.has_grad:
                 norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))

@@ -64,6 +64,7 @@ class StateDictMixin:
         extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
         state_dict["param_groups"] = groups
         # before anything is loaded:
+        self._complete_loaded_groups(groups)
         self._check_group_options(groups)
         int8_wire = self._schedule.wire is not None
         extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,

@@ -190,7 +190,7 @@ class ReplicaWatch:
         """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
         rank at another step never sends): every rank raises if they are not all at this utility and step."""
         for b in self._buckets:  # the parameters a utility reads and writes are the buckets' (model.half() is not)
-            adopt_storage(b, before_copy=self._schedule.complete_transfers)
+            adopt_storage(b, before_copy=self._schedule.complete_transfers, siblings=self._buckets)
         announce(self._schedule.all_reduce, what, self._schedule.t, sizes)
 
     @property

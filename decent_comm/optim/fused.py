@@ -100,6 +100,16 @@ class _FusedGroupOptions:
     def _check_group(self, group, where):
         """Class-specific checks of one group; `where` names the optimizer and the group for the message."""
 
+    def _complete_loaded_groups(self, groups):
+        """A loaded checkpoint's groups (torch's load_state_dict takes them whole): a key the saved optimizer did not
+        have (AccumAdamW's accum_steps in torch.optim.AdamW's) takes this one's default, as torch's optimizers
+        setdefault theirs; `capturable` (a GPU AdamW's, which does not change the update) is not carried over."""
+        for group in groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            if "capturable" in group:
+                group["capturable"] = False
+
 
 def _check_common(lr, weight_decay, eps=None, betas=None):
     if not 0.0 <= lr:
@@ -134,6 +144,13 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                                                           weight_decay=weight_decay, nesterov=nesterov))
         self._init_decentralized(**opts)
 
+    def _check_group(self, group, where):
+        # torch.optim.SGD checks this at construction only, and a later damped Nesterov runs there; the kernels
+        # take Nesterov without dampening, so it is refused here, naming the group, before anything moves.
+        if group.get("nesterov") and group.get("momentum", 0) != 0 and group.get("dampening", 0) != 0:
+            raise ValueError(f"{where}: nesterov=True with dampening={group['dampening']}: Nesterov momentum "
+                             "requires zero dampening")
+
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
@@ -154,7 +171,8 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         momentum = group["momentum"]
         buf = b.state["momentum_buffer"][sl] if momentum != 0 else None
         ops.mix_sgd_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], buf, group["lr"], momentum,
-                     group["dampening"], group["weight_decay"], group["nesterov"], first_step=step == 0,
+                     group["dampening"], group["weight_decay"], group["nesterov"] and momentum != 0,
+                     first_step=step == 0,
                      disagreement=disagreement, **op_kwargs)
 
 

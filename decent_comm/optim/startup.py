@@ -25,10 +25,16 @@ log = logging.getLogger(__name__)
 
 
 def distributed_context(process_group):
-    """(rank, world_size) of the group, or (0, 1) when torch.distributed is not initialized."""
+    """(rank, world_size) of the group, or (0, 1) when torch.distributed is not initialized (RuntimeError then
+    inside a launcher's job of several processes: each rank trained alone, silently)."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise RuntimeError("a process_group was given but torch.distributed is not initialized")
+        world = os.environ.get("WORLD_SIZE", "1").strip()
+        if world.isdigit() and int(world) > 1:
+            raise RuntimeError(f"torch.distributed is not initialized, but WORLD_SIZE={world} (a torchrun job of "
+                               f"{world} processes): call torch.distributed.init_process_group() before building the "
+                               "optimizer, or each rank trains alone (set WORLD_SIZE=1 for a single process)")
         return 0, 1
     rank = dist.get_rank(process_group)
     if rank < 0:
@@ -87,7 +93,9 @@ def local_world_size_from_env(process_group=None):
         value = int(env)
     except ValueError:
         raise ValueError(f"LOCAL_WORLD_SIZE={env!r} (environment) is not an integer") from None
-    if not (dist.is_available() and dist.is_initialized()) or value < 1:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # one process (distributed_context): a LOCAL_WORLD_SIZE inherited from a launcher is not its
+    if value < 1:
         return value
     members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
     nodes = [r // value for r in members]

@@ -35,6 +35,12 @@ def check_param_groups(groups: Sequence[dict], built: List[tuple]) -> None:
                            "nor averaged; pass every group at construction")
     for k, (g, ids) in enumerate(zip(groups, built)):
         params = g["params"]
+        if len(params) == len(ids) and sorted(map(id, params)) == sorted(ids) and any(
+                id(p) != i for p, i in zip(params, ids)):
+            raise RuntimeError(
+                f"decent_comm: param group {k} holds its parameters in another order than at construction: the flat "
+                "buckets and the state_dict's parameter numbers follow the construction order, the same on every "
+                "rank; put the list back in that order")
         if len(params) != len(ids) or any(id(p) != i for p, i in zip(params, ids)):
             raise RuntimeError(
                 f"decent_comm: param group {k} holds other parameters than at construction ({len(ids)} then, "
