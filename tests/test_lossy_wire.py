@@ -68,3 +68,28 @@ def test_group_steps_sum_unrounded_in_the_parameters_dtype(wire):
         assert err < 1e-6, (r, err)
         # 4 all-reduces (AWC: each step launches the next one's) of 4-byte elements among 3 ranks
         assert sent == 4 * 3000 * 4 * 2 * (3 - 1) // 3, (r, sent)
+
+
+def _replicas_at_lr_0(rank, n):
+    x0 = 1.25 + 1e-3 * torch.linspace(-1, 1, 500, dtype=torch.float64) * (rank - 1)  # replicas 1e-3 apart
+    p = torch.nn.Parameter(x0.float())
+    opt = decent_comm.DSGD([p], lr=0.0, topology="ring", comm_dtype=torch.bfloat16, exchange="p2p", timeout=30,
+                           broadcast_init=False)
+    for _ in range(40):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    opt.synchronize()
+    opt.shutdown()
+    return p.detach().double()
+
+
+def test_replicas_agree_to_half_a_wire_step_and_keep_their_mean():
+    """What the difference form gives up without error feedback (docs/api.md, comm_dtype): replicas whose values
+    round to the same bf16 number send equal copies, so they agree only to about half a bf16 step (2^-8 = 3.9e-3 in
+    [1, 2)), not to float32 as over an fp32 wire; their mean stays put to float32 rounding."""
+    xs = run_ranks(_replicas_at_lr_0, 3, timeout=120)
+    mean = sum(xs) / 3
+    x0_mean = torch.full_like(mean, 1.25)
+    assert (mean - x0_mean).abs().max().item() < 1e-6
+    spread = max((x - mean).abs().max().item() for x in xs)
+    assert spread <= 2 ** -8, spread

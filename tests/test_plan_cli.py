@@ -280,16 +280,20 @@ def test_a_recipe_is_priced_on_its_own_wire_whatever_the_plan_wire():
     """The time-to-loss recipes name their wire (bf16 gossip, fp32 periodic averaging): --wire-dtype changes the
     table's rows, not what a recipe moves (under int8 the bf16 recipes were priced with int8 bytes, periodic
     averaging with bf16 all-reduces under bf16)."""
-    steps = {}
-    for wire in ("fp32", "bf16", "int8"):
-        code, out, _ = run_cli(SLOW_LINKS + ["--topologies", "one-peer-exp", "--wire-dtype", wire])
-        assert code == 0
-        steps[wire] = {(x["family"], x["mode"], x["gossip_every"], x["delayed_mix"], x["wire"]): x["step_seconds"]
-                       for x in json.loads(out)["time_to_quality"] if x["family"] != "allreduce"}
-    for key, seconds in steps["fp32"].items():
-        # the communication is rescaled by bytes (its microseconds of link latency with it)
-        assert steps["bf16"][key] == pytest.approx(seconds, rel=1e-3), key
-        assert steps["int8"][key] == pytest.approx(seconds, rel=1e-3), key
+    for topology in ("one-peer-exp", "complete"):  # complete: group all-reduces (fp32 sums) but the 8-bit wire's
+        steps = {}
+        for wire in ("fp32", "bf16", "int8"):
+            code, out, _ = run_cli(SLOW_LINKS + ["--topologies", topology, "--wire-dtype", wire])
+            assert code == 0
+            steps[wire] = {(x["family"], x["mode"], x["gossip_every"], x["delayed_mix"], x["wire"]): x["step_seconds"]
+                           for x in json.loads(out)["time_to_quality"] if x["family"] != "allreduce"}
+        for key, seconds in steps["fp32"].items():
+            # periodic averaging is rescaled from All-Reduce by bytes (its microseconds of latency with them)
+            assert steps["bf16"][key] == pytest.approx(seconds, rel=1e-3), (topology, key)
+            assert steps["int8"][key] == pytest.approx(seconds, rel=1e-3), (topology, key)
+    # on complete the 8-bit recipe is point to point (3 copies per rank), the bf16 one a float32 all-reduce
+    by = {k[4]: v for k, v in steps["fp32"].items() if k[:4] == ("gossip", "awc", 1, False)}
+    assert by["int8"] > 0.1 + 0.9 * (3 * 0.43e6 * (1 + 4 / 512) * 8 / 50e6 - 0.1)
 
 
 def test_a_schedule_that_never_averages_is_not_recommended():

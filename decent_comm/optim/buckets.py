@@ -262,8 +262,9 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
                 if p.untyped_storage().data_ptr() in mine:
                     raise RuntimeError(
                         f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
-                        "with another parameter of this optimizer (tied after it was built, e.g. b.data = a.data): "
-                        "tie the parameters before building the optimizer (it takes a shared parameter once)")
+                        "with another parameter of this optimizer (tied after it was built, e.g. b.data = a.data) or "
+                        "is a view of its own memory in another layout (p.data = p.data.t()): tie parameters before "
+                        "building the optimizer (it takes a shared parameter once), give new layouts new storage")
                 if before_copy is not None:
                     before_copy()
                     before_copy = None

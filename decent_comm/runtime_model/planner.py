@@ -42,7 +42,7 @@ from .closed_form import Prediction, make_topology, predict_allreduce, predict_g
 from .gossip import workload_step_groups
 from .loads import schedule_of
 from .mixing import sparse_gap_per_step
-from .quality import price
+from .quality import WIRE_BYTES, price
 from .simulator import SimResult, simulate, simulate_allreduce
 
 DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
@@ -207,8 +207,13 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     # The steps multipliers were measured on one-peer graphs: price the fastest of those when there is one.
     priced = [c for c in eligible if c.name.startswith("one-peer")] or eligible
     fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
-    quality = price(ar_pred, fastest_gossip.prediction if fastest_gossip else None, workload.compute.mean,
-                    workload.bytes_per_param, workload.compute.forward_fraction, ar_workload.bytes_per_param)
+    by_wire = None
+    if fastest_gossip is not None:  # each wire as the optimizers run it (exchange "auto"), whatever the plan's
+        topo = make_topology(fastest_gossip.name, n, L)
+        by_wire = {wire: predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo, ar_workload)
+                   for wire, b in WIRE_BYTES.items()}
+    quality = price(ar_pred, by_wire, workload.compute.mean, ar_workload.bytes_per_param,
+                    workload.compute.forward_fraction)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
 

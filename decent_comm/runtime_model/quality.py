@@ -20,7 +20,7 @@ rescaled to the recipe's wire, and the mean compute time C:
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .workload import WIRE_DTYPES
 
@@ -96,29 +96,30 @@ def _gossip_step(per_round_comm, compute: float, k: int, delayed: bool, hidden_f
     return compute + sum(max(0.0, d - hidden) for d in rounds) / len(rounds) / k
 
 
-def price(allreduce, gossip, compute: float, bytes_per_param: float, forward_fraction: float,
-          allreduce_bytes_per_param: Optional[float] = None) -> List[Priced]:
-    """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``; `gossip`: the
-    ``Prediction`` of the topology gossip recipes use (None: only All-Reduce and periodic averaging); `compute`: the
-    mean compute time per step, `forward_fraction` its forward's share; `bytes_per_param`: the wire the gossip
-    prediction was made for, `allreduce_bytes_per_param` All-Reduce's (default the same). A recipe moves its own
-    wire's bytes (periodic averaging: the float32 parameters), its communication rescaled from the prediction's."""
+def price(allreduce, gossip: Optional[Dict[str, object]], compute: float, allreduce_bytes_per_param: float,
+          forward_fraction: float) -> List[Priced]:
+    """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``, made for
+    `allreduce_bytes_per_param` (periodic averaging all-reduces the float32 parameters: rescaled from it); `gossip`:
+    per wire of WIRE_BYTES, the ``Prediction`` of the topology gossip recipes use over that wire (what the step
+    moves depends on the wire, not only its bytes: the 8-bit wire never groups, a bf16 wire's group steps sum
+    float32), or None (only All-Reduce and periodic averaging); `compute`: the mean compute time per step,
+    `forward_fraction` its forward's share."""
     ar_step = allreduce.step_seconds
     out = []
     for kind in RECIPES:
         if kind.family == "allreduce":
             step, topo = ar_step, None
         elif kind.family == "periodic":
-            comm = allreduce.comm_seconds * WIRE_BYTES[kind.wire] / (allreduce_bytes_per_param or bytes_per_param)
+            comm = allreduce.comm_seconds * WIRE_BYTES[kind.wire] / allreduce_bytes_per_param
             step, topo = compute + max(0.0, comm - compute) / kind.gossip_every, "complete"
         elif gossip is None:
             continue
         else:
-            scale = WIRE_BYTES[kind.wire] / bytes_per_param
-            rounds = [d * scale for d in (gossip.per_step_comm_seconds or (gossip.comm_seconds,))]
+            pred = gossip[kind.wire]
+            rounds = list(pred.per_step_comm_seconds or (pred.comm_seconds,))
             hidden = forward_fraction if kind.mode == "atc" else 1.0
             step = _gossip_step(rounds, compute, kind.gossip_every, kind.delayed_mix, hidden)
-            topo = gossip.name
+            topo = pred.name
         out.append(Priced(kind, topo, step, kind.steps_multiplier * step / ar_step if ar_step > 0 else 1.0))
     # A recipe goes ahead of All-Reduce only when predicted faster by more than the multipliers' noise (seeds differ
     # by up to 10% in time to target): on a near tie All-Reduce is the simpler choice.
