@@ -209,9 +209,13 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
     by_wire = None
     if fastest_gossip is not None:  # each wire as the optimizers run it (exchange "auto"), whatever the plan's
-        topo = make_topology(fastest_gossip.name, n, L)
-        by_wire = {wire: predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo, ar_workload)
-                   for wire, b in WIRE_BYTES.items()}
+        topo, by_wire = make_topology(fastest_gossip.name, n, L), {}
+        for wire, b in WIRE_BYTES.items():
+            try:
+                by_wire[wire] = predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo,
+                                               ar_workload)
+            except ValueError:  # too dense point to point (complete on 100k ranks over the 8-bit wire): unpriced
+                by_wire[wire] = None
     quality = price(ar_pred, by_wire, workload.compute.mean, ar_workload.bytes_per_param,
                     workload.compute.forward_fraction)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,

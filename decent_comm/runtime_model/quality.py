@@ -102,8 +102,8 @@ def price(allreduce, gossip: Optional[Dict[str, object]], compute: float, allred
     `allreduce_bytes_per_param` (periodic averaging all-reduces the float32 parameters: rescaled from it); `gossip`:
     per wire of WIRE_BYTES, the ``Prediction`` of the topology gossip recipes use over that wire (what the step
     moves depends on the wire, not only its bytes: the 8-bit wire never groups, a bf16 wire's group steps sum
-    float32), or None (only All-Reduce and periodic averaging); `compute`: the mean compute time per step,
-    `forward_fraction` its forward's share."""
+    float32; None: that wire's recipes are not priced), or None (only All-Reduce and periodic averaging); `compute`:
+    the mean compute time per step, `forward_fraction` its forward's share."""
     ar_step = allreduce.step_seconds
     out = []
     for kind in RECIPES:
@@ -112,7 +112,7 @@ def price(allreduce, gossip: Optional[Dict[str, object]], compute: float, allred
         elif kind.family == "periodic":
             comm = allreduce.comm_seconds * WIRE_BYTES[kind.wire] / allreduce_bytes_per_param
             step, topo = compute + max(0.0, comm - compute) / kind.gossip_every, "complete"
-        elif gossip is None:
+        elif gossip is None or gossip[kind.wire] is None:
             continue
         else:
             pred = gossip[kind.wire]
