@@ -177,6 +177,9 @@ def test_complete_on_100k_ranks_is_one_group_allreduce():
     assert time.process_time() - t0 < 60
     assert p.candidate("complete").prediction.step_seconds == pytest.approx(max(0.12, c_g), rel=1e-12)
     assert p.candidate("complete").gap_per_step == 1.0
+    # the 8-bit wire's recipes would run complete point to point (10^10 messages a step): not priced, and said so
+    assert not any(q.kind.wire == "int8" for q in p.quality)
+    assert any("int8 wire recipes not priced on complete" in note for note in p.notes)
 
 
 def test_dense_point_to_point_is_skipped_not_built():

@@ -262,9 +262,10 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
                 if p.untyped_storage().data_ptr() in mine:
                     raise RuntimeError(
                         f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
-                        "with another parameter of this optimizer (tied after it was built, e.g. b.data = a.data) or "
-                        "is a view of its own memory in another layout (p.data = p.data.t()): tie parameters before "
-                        "building the optimizer (it takes a shared parameter once), give new layouts new storage")
+                        "with another parameter of this optimizer (tied after it was built, b.data = a.data; swapped, "
+                        "a.data, b.data = b.data, a.data) or is a view of its own memory in another layout (p.data = "
+                        "p.data.t()): tie parameters before building the optimizer (it takes a shared parameter once); "
+                        "swap or re-lay-out clones (a.data, b.data = b.data.clone(), a.data.clone())")
                 if before_copy is not None:
                     before_copy()
                     before_copy = None

@@ -41,6 +41,7 @@ from .. import topology as _topology
 from .closed_form import Prediction, make_topology, predict_allreduce, predict_gossip
 from .gossip import workload_step_groups
 from .loads import schedule_of
+from .messages import TooManyMessages
 from .mixing import sparse_gap_per_step
 from .quality import WIRE_BYTES, price
 from .simulator import SimResult, simulate, simulate_allreduce
@@ -214,8 +215,10 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
             try:
                 by_wire[wire] = predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo,
                                                ar_workload)
-            except ValueError:  # too dense point to point (complete on 100k ranks over the 8-bit wire): unpriced
+            except TooManyMessages:  # complete on 100k ranks over the 8-bit wire (point to point): unpriced
                 by_wire[wire] = None
+                notes.append(f"{wire} wire recipes not priced on {fastest_gossip.name}: that wire runs it point to "
+                             f"point, more messages per step than the model handles")
     quality = price(ar_pred, by_wire, workload.compute.mean, ar_workload.bytes_per_param,
                     workload.compute.forward_fraction)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
