@@ -106,6 +106,8 @@ def test_base_k_uses_its_degree_budget():
     assert topo.period == 3 and T.finite_time_exact(topo)
     topo = T.make("base-k", 6, k=1)   # not a power of two: still exact with one peer
     assert T.finite_time_exact(topo) and topo.period <= 2 * 3 + 2
+    # a numpy integer, as world_size takes one (it was refused)
+    assert T.make("base-k", 27, k=np.int64(2)).fingerprint() == T.make("base-k", 27, k=2).fingerprint()
 
 
 @pytest.mark.parametrize("name", T.NAMES)

@@ -87,6 +87,8 @@ def test_options_are_typed_and_names_canonical():
     assert type(p.kappa) is float and type(p.interval) is int and type(p.min_dwell) is int
     assert p.hold_while_lr_rises is False and p.calibrate is False and p.initial_choice == "one-peer-exp"
     assert set(OPTIONS) <= set(T.ConsensusControl.__init__.__code__.co_varnames)
+    for spelled, meant in (("Densest", "densest"), ("SPARSEST", "sparsest")):  # any case, as the names (refused)
+        assert T.make(f"adaptive:consensus:ring,complete:initial={spelled}", 4).policy.initial_choice == meant
     phase = T.make("adaptive:phase: Complete@0 , one_peer_exp@ 10", 8)
     assert phase.policy.phases == [("complete", 0), ("one-peer-exp", 10)]
     assert T.make("adaptive:phase:complete@0", 4).schedule() == [(0, "complete")]

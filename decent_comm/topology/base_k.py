@@ -48,6 +48,8 @@ paper's construction; three layers:
 """
 from __future__ import annotations
 
+import numbers
+
 from .schedule import Round, ScheduleTopology
 
 
@@ -163,8 +165,9 @@ class BaseGraph(ScheduleTopology):
 
     def __init__(self, world_size: int, local_world_size: int | None = None, k: int = 1,
                  simple: bool = False):
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:  # numpy integers too, as world_size
             raise ValueError(f"base-k: k must be an integer >= 1 (max peers per step), got {k!r}")
+        k = int(k)
         super().__init__(world_size, name="base-k", local_world_size=local_world_size,
                          options={"k": k, "simple": bool(simple)})
         self.k = k

@@ -92,9 +92,9 @@ class _Spec:
             except ValueError:
                 raise self.error(item, f"has a bad value {value.strip()!r}: {key} must be {expected}") from None
         initial = options.get("initial")
-        if initial is not None and initial not in ("densest", "sparsest"):
-            options["initial"] = initial.strip().lower().replace("_", "-")  # as canonical_name spells it
-            if options["initial"] not in candidates:
+        if initial is not None:  # any case, as the candidate names (canonical_name)
+            options["initial"] = initial.strip().lower().replace("_", "-")
+            if options["initial"] not in ("densest", "sparsest") and options["initial"] not in candidates:
                 raise self.error(f"initial={initial}", f"names no candidate; initial must be {OPTIONS['initial'][1]}"
                                                        f" ({', '.join(candidates)})")
         return options
