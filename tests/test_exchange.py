@@ -230,7 +230,10 @@ def test_mismatched_schedule_times_out_naming_bucket_and_peer():
         assert r["kind"] == "ExchangeTimeout", r
         assert "timed out" in r["msg"] and f"bucket {bucket}" in r["msg"] and op in r["msg"], r
         assert stage in r["msg"], r
-        assert "Timed out" in r["msg"], r  # gloo's own text is passed on
+        # The backend's own text is passed on: gloo's "Timed out", or its "Connection closed by peer" / "Read error"
+        # when the other rank, whose equal deadline came a few ms earlier, had shut down first (1 suite in ~30: a
+        # race, and both are this timeout), so what is required is the transport's part, not its wording
+        assert r["msg"].partition("; transport: ")[2].strip(), r
         assert TIMEOUT_S - 0.5 <= r["elapsed"] < TIMEOUT_S + SLACK_S, r
         for call, (kind, msg) in r["later"].items():
             assert kind == "ExchangeError" and "unusable after an earlier error" in msg, (call, kind, msg)
