@@ -44,7 +44,6 @@ from .wire_buffers import WireBuffers
 
 log = logging.getLogger("decent_comm")
 
-
 MODES = ("awc", "atc")
 
 
@@ -252,7 +251,7 @@ class GossipSchedule(ScheduleCheckpoint):
     def _mix_form(self, plan: MixPlan) -> MixPlan:
         """The int8 wire mixes the public copies in difference form (as a correction), a lossy wire the copies z
         of its point-to-point steps; other wires and group steps the plan."""
-        if plan.silent or not (self.wire is not None or (self.buffers.lossy and plan.group is None)):
+        if plan.silent or not (self.wire is not None or self.buffers.mixes_copies(plan)):
             return plan
         return plan.as_correction(plan.step)
 

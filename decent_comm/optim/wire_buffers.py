@@ -64,10 +64,14 @@ class WireBuffers:
             bufs.append(self._wire_buffer(b))
         return bufs[:plan.num_buffers]
 
+    def mixes_copies(self, plan: MixPlan) -> bool:
+        """Whether `plan` mixes in difference form against the copies z sent: a lossy wire's point-to-point steps."""
+        return self.lossy and plan.group is None
+
     def sends_copy(self, plan: MixPlan, delayed_mix: bool) -> bool:
         """Whether `plan` sends the copy z rather than the flat buffer: delayed_mix (the parameters move on for a
-        whole interval), and a lossy wire's point-to-point steps (their difference form mixes z)."""
-        return delayed_mix or (self.lossy and plan.group is None)
+        whole interval), and the steps that mix the copies."""
+        return delayed_mix or self.mixes_copies(plan)
 
     def copy_of(self, b, plan: MixPlan) -> torch.Tensor:
         """The copy z of bucket b that `plan` sent."""
