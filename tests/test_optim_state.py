@@ -155,3 +155,39 @@ def test_profiler_shows_the_gossip_ranges(mode):
     want = {"decent_comm::warmup_allreduce", "decent_comm::exchange_launch", "decent_comm::exchange_wait"}
     want |= {"decent_comm::mix_update"} if mode == "awc" else {"decent_comm::local_update", "decent_comm::atc_mix"}
     assert want <= set(names), names
+
+
+def _setup_lines(rank, n, topology, comm_dtype):
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("decent_comm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology=topology, comm_dtype=comm_dtype, timeout=30)
+    logger.removeHandler(handler)
+    opt.shutdown()
+    return [line for line in lines if "topology" in line and "bucket" in line]
+
+
+@pytest.mark.parametrize("topology, comm_dtype, path, wire", [
+    ("complete", None, "group all-reduce", "wire the parameters' dtype"),
+    ("ring", torch.bfloat16, "point to point", "wire bfloat16"),
+    ("complete", torch.int8, "point to point", "wire int8 with error feedback"),  # the int8 wire never groups
+])
+def test_debug_log_says_how_each_rank_gossips(topology, comm_dtype, path, wire):
+    per_rank = run_ranks(_setup_lines, 3, topology, comm_dtype, timeout=120)
+    for rank, lines in enumerate(per_rank):
+        assert len(lines) == 1, lines
+        line = lines[0]
+        assert f"rank {rank} of 3" in line and f"topology {topology}" in line and path in line and wire in line, line
+        n = sum(p.numel() for p in make_model(0).parameters())
+        assert f"; {n} parameter element(s) in 1 bucket(s)" in line, line
+
+
+def test_repr_shows_where_the_schedule_stands():
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=1e-3)
+    train_steps(0, model, opt, 3)
+    assert "'step': 3" in repr(opt), repr(opt)

@@ -48,6 +48,11 @@ class StateDictMixin:
         self._note_state()
         return sd
 
+    def __repr__(self):
+        if hasattr(self, "_schedule"):  # where the schedule stands now, not at the last state_dict()
+            self._show_schedule()
+        return super().__repr__()
+
     def _show_schedule(self) -> dict:
         """Puts where the schedule stands into the live param group 0 too: torch.distributed.checkpoint's flattened
         form (flatten_optimizer_state_dict=True) restores only the group keys the live optimizer has."""

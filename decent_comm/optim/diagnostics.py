@@ -253,3 +253,25 @@ class ReplicaWatch:
         self._announce("consensus_distance()", [b.flat.numel() for b in self._buckets] + [1])
         self.synchronize()
         return consensus_distance(self._buckets, self._schedule.all_reduce, self.world_size)
+
+
+def log_setup(schedule) -> None:
+    """One DEBUG line per rank saying how this optimizer will gossip, so that `logging.DEBUG` shows which path a
+    run took (point to point or group all-reduce, which wire) without reading the code."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    topo, buckets = schedule.topology, schedule.buckets
+    if schedule.world_size == 1:
+        path = "a single rank: no gossip"
+    elif schedule.groups is not None:
+        groups = len(schedule.groups.all_groups)
+        path = f"group all-reduce on the steps that average in groups of >= 3 ranks ({groups} group(s)), point " \
+               f"to point otherwise"
+    else:
+        path = "point to point"
+    wire = "int8 with error feedback" if schedule.wire is not None else \
+        str(schedule.comm_dtype or "the parameters' dtype").replace("torch.", "")
+    log.debug("decent_comm: rank %d of %d: topology %s (period %d), mode %s, wire %s, %s; %d parameter element(s) in "
+              "%d bucket(s) of %d elements", schedule.rank, schedule.world_size,
+              getattr(topo, "current_name", topo.name), topo.period, schedule.mode, wire, path,
+              sum(s.numel for b in buckets for s in b.slots), len(buckets), sum(b.numel for b in buckets))

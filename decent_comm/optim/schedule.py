@@ -32,7 +32,7 @@ from ..exchange.bounded import BoundedAllReduce
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .buckets import check_unwritten, note_landed, written
-from .diagnostics import DisagreementMeter
+from .diagnostics import DisagreementMeter, log_setup
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, consensus_factor, mix_plan
@@ -107,6 +107,7 @@ class GossipSchedule(ScheduleCheckpoint):
             self.wire.allocate_copies(buckets)
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
                                                                        and self.adaptive.needs_stats))
+        log_setup(self)
 
     # ------------------------------------------------------------------------------------------ planning
 
