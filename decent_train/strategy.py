@@ -82,8 +82,8 @@ def torch_optimizer(cls, params, args):
 
 def _consensus(args):
     if args.consensus == "adaptive":
-        # Start adapting after warmup: AdaptiveConsensus takes the lr at start_step as its reference, and the
-        # warmup lr would make every later lr look "large" (factor stuck at 1).
+        # Start adapting after warmup (AdaptiveConsensus's reference is the peak lr from start_step on, so the
+        # factor would be 1 through the warmup anyway; starting there keeps full averaging explicit).
         return decent_comm.AdaptiveConsensus(start_step=args.warmup)
     return args.consensus
 

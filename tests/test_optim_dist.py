@@ -218,6 +218,21 @@ def test_param_groups_scheduler_unused_and_frozen_parameters():
     assert not torch.equal(res[0]["a"], res[1]["a"])
 
 
+def test_adaptive_consensus_follows_the_decay_from_the_peak_of_a_warm_up():
+    """The reference is the largest lr from start_step on: with the reference at step 0's lr (a warm-up's
+    smallest) every later lr looked larger, and the factor stayed 1 through the whole decay."""
+    lrs = [0.1, 0.4, 1.0, 0.5, 0.25, 0.8]
+    consensus = decent_comm.AdaptiveConsensus(p=1.0)
+    assert [consensus.factor(t, lr) for t, lr in enumerate(lrs)] == [1.0, 1.0, 1.0, 0.5, 0.25, 0.8]
+    later = decent_comm.AdaptiveConsensus(p=2.0, start_step=3, min_factor=0.2)
+    assert [later.factor(t, lr) for t, lr in enumerate(lrs)] == pytest.approx(
+        [1.0, 1.0, 1.0, 1.0, 0.2 + 0.8 * 0.5 ** 2, 1.0])  # reference from step 3 on: 0.5, then 0.8
+    assert later.state_dict() == {"lr_peak": 0.8}
+    old = decent_comm.AdaptiveConsensus(p=1.0)
+    old.load_state_dict({"lr_at_start": 2.0})  # a checkpoint of the versions before the peak
+    assert old.factor(10, 0.5) == 0.25
+
+
 def _adaptive_consensus_under_a_scheduler(rank, n, mode):
     x = torch.nn.Parameter(torch.zeros(3))
     consensus = decent_comm.AdaptiveConsensus(p=1)
@@ -231,16 +246,16 @@ def _adaptive_consensus_under_a_scheduler(rank, n, mode):
         opt.step()
     opt.synchronize()
     opt.shutdown()
-    return consensus.lr_at_start, x.detach().clone()
+    return consensus.lr_peak, x.detach().clone()
 
 
 @pytest.mark.parametrize("mode", ["awc", "atc"])
 def test_adaptive_consensus_starts_from_the_lr_of_step_0_that_a_scheduler_set(mode):
-    """lr_t / lr_at_start is 1 at every step here, so each round's factor is 1 and one round makes the 2 replicas
+    """lr_t / lr_peak is 1 at every step here, so each round's factor is 1 and one round makes the 2 replicas
     equal (W = 1/2 everywhere). Built before the scheduler, the optimizer recorded its constructor's lr (1.0) as
     the lr at start, and mixed with factor 0.5: the replicas stayed apart."""
-    for lr_at_start, x in run_ranks(_adaptive_consensus_under_a_scheduler, 2, mode, timeout=120):
-        assert lr_at_start == 0.5
+    for lr_peak, x in run_ranks(_adaptive_consensus_under_a_scheduler, 2, mode, timeout=120):
+        assert lr_peak == 0.5
         assert torch.equal(x, torch.full((3,), 0.5)), x
 
 

@@ -3,11 +3,15 @@ disagreement finds flatter minima"): the mixing matrix W becomes (1 - a) I + a W
 
 
 class AdaptiveConsensus:
-    """a = 1 before `start_step`; afterwards a = min_factor + (1 - min_factor) * (lr_t / lr_at_start)^p.
+    """a = 1 before `start_step`; afterwards a = min_factor + (1 - min_factor) * (lr_t / lr_peak)^p.
 
     As the learning rate decays the replicas are allowed to disagree more (less averaging), which acts as a
     curvature-aware regularizer. lr_t is the learning rate of the first param group when the exchange of
-    that step is launched; lr_at_start is recorded at start_step and saved in the optimizer's state_dict.
+    that step is launched; lr_peak is the largest lr_t from start_step on (saved in the optimizer's state_dict).
+    The peak, not the lr at start_step: under a warm-up that start_step=0 (the default) leaves inside, the lr at
+    step 0 is the warm-up's smallest, and every later lr looked at least as large (a = 1 until the decay fell
+    below it: a 10-step warm-up from 1e-3 to 0.1 with a cosine to step 100 first lowered a at step 95). A
+    schedule that only decays from start_step on sees the same reference either way.
     """
 
     def __init__(self, p: float = 3.0, start_step: int = 0, min_factor: float = 0.0):
@@ -18,21 +22,22 @@ class AdaptiveConsensus:
         if not 0.0 <= min_factor <= 1.0:
             raise ValueError(f"min_factor must be in [0, 1], got {min_factor}")
         self.p, self.start_step, self.min_factor = float(p), int(start_step), float(min_factor)
-        self.lr_at_start = None
+        self.lr_peak = None
 
     def factor(self, step: int, lr: float) -> float:
         if step < self.start_step:
             return 1.0
-        if self.lr_at_start is None:
-            self.lr_at_start = float(lr)
-        ratio = 1.0 if self.lr_at_start <= 0 else min(1.0, max(0.0, float(lr) / self.lr_at_start))
+        lr = float(lr)
+        self.lr_peak = lr if self.lr_peak is None else max(self.lr_peak, lr)
+        ratio = 1.0 if self.lr_peak <= 0 else min(1.0, max(0.0, lr / self.lr_peak))
         return self.min_factor + (1.0 - self.min_factor) * ratio ** self.p
 
     def state_dict(self):
-        return {"lr_at_start": self.lr_at_start}
+        return {"lr_peak": self.lr_peak}
 
     def load_state_dict(self, state):
-        self.lr_at_start = state.get("lr_at_start")
+        # "lr_at_start": a checkpoint of the versions that kept the lr at start_step as the reference
+        self.lr_peak = state.get("lr_peak", state.get("lr_at_start"))
 
     def __repr__(self):
         return f"AdaptiveConsensus(p={self.p}, start_step={self.start_step}, min_factor={self.min_factor})"
