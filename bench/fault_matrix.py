@@ -83,21 +83,33 @@ def _as_verdict(c):
                    c["hung"], c["problems"])
 
 
+def _names(allowed):
+    """argparse type: a comma list of names from `allowed` (a typo ran a job that judged nothing)."""
+    def parse(text):
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {unknown or 'empty list'}; choose from {','.join(allowed)}")
+        return names
+    return parse
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=5.0, help="the optimizers' timeout= (s)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS + ["nan-unchecked"]))
-    parser.add_argument("--paths", default="p2p,group")
-    parser.add_argument("--modes", default="awc,atc")
+    parser.add_argument("--scenarios", type=_names(SCENARIOS + ["nan-unchecked"]),
+                        default=",".join(SCENARIOS + ["nan-unchecked"]), help="comma list of %(default)s")
+    parser.add_argument("--paths", type=_names(["p2p", "group"]), default="p2p,group", help="comma list of %(default)s")
+    parser.add_argument("--modes", type=_names(["awc", "atc"]), default="awc,atc", help="comma list of %(default)s")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a job may take before it is killed")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "fault_matrix"))
     args = parser.parse_args()
     cells = []
     load_at_start = os.getloadavg()[0]
     started = time.monotonic()
-    for scenario in args.scenarios.split(","):
-        for path in args.paths.split(","):
-            for mode in args.modes.split(","):
+    for scenario in args.scenarios:
+        for path in args.paths:
+            for mode in args.modes:
                 c = run_cell(scenario, path, mode, args.timeout, args.deadline)
                 cells.append(c)
                 verdict = "observed" if "passed" not in c else ("PASS" if c["passed"] else "FAIL")

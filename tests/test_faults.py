@@ -51,3 +51,21 @@ def test_fault_ends_in_a_clear_error_on_every_live_rank(scenario, path, mode):
     v = judge(scenario, path, TIMEOUT_S, outcomes)
     assert v.tried > 0
     assert v.passed, f"{v.problems}\n{_report(outcomes)}"
+
+
+def test_a_job_that_judged_nothing_does_not_pass():
+    """An unknown scenario (a typo in bench/fault_matrix.py --scenarios) expects nothing of any rank: every rank
+    exiting at once with code 1 was a PASS with 0 of 0 attempts judged."""
+    from decent_train.faults.launch import RankOutcome
+    crashed = [RankOutcome(rank, 1, "error: invalid choice") for rank in range(3)]
+    v = judge("bogus", "p2p", TIMEOUT_S, crashed)
+    assert v.tried == 0 and not v.passed
+
+
+def test_fault_matrix_refuses_unknown_names():
+    import subprocess
+    import sys
+    from decent_train import REPO_ROOT
+    r = subprocess.run([sys.executable, f"{REPO_ROOT}/bench/fault_matrix.py", "--scenarios", "dead,bogus"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown ['bogus']" in r.stderr, r.stderr

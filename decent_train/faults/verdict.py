@@ -64,7 +64,9 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.clear == self.tried and not self.signal_deaths and not self.hung and not self.problems
+        # tried > 0: a job with nothing judged (an unknown scenario, ranks that crashed before their first attempt
+        # in a scenario expecting nothing of them) proves nothing; it passed with 0 of 0.
+        return 0 < self.tried == self.clear and not self.signal_deaths and not self.hung and not self.problems
 
 
 def _fault_time(outcomes) -> Optional[float]:
