@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from decent_train.profiling import ACTIVE_STEPS, SKIP_STEPS, WARMUP_STEPS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {  # label -> train_lm flags
     "DDP + AdamW": ["--optimizer", "allreduce"],
@@ -102,6 +104,9 @@ def main():
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the profiler records steps 6-9)")
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "trace_overlap.png"))
     args = parser.parse_args()
+    if not args.traces and args.steps < SKIP_STEPS + WARMUP_STEPS + ACTIVE_STEPS:
+        parser.error(f"--steps must be >= {SKIP_STEPS + WARMUP_STEPS + ACTIVE_STEPS}: the profiler skips "
+                     f"{SKIP_STEPS + WARMUP_STEPS} steps and records {ACTIVE_STEPS} (decent_train/profiling.py)")
     base = args.traces or tempfile.mkdtemp(prefix="decent_comm_trace_")
     traces = {}
     for i, (label, flags) in enumerate(RUNS.items()):

@@ -59,7 +59,7 @@ def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, schedule
         "data_rng": generator.get_state(),
         "torch_rng": torch.get_rng_state(),
         "step": progress.step, "train_time": progress.train_time, "rows": progress.rows,
-        "world_size": env.world_size,
+        "world_size": env.world_size, "bytes_sent": strategy.bytes_sent,
     }
     path = os.path.join(step_dir, f"rank{env.rank}.pt")
     torch.save(state, path + ".tmp")
@@ -125,5 +125,6 @@ def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, schedule
     # RNG states are CPU byte tensors; map_location moved them to the training device.
     generator.set_state(state["data_rng"].cpu())
     torch.set_rng_state(state["torch_rng"].cpu())
+    strategy.bytes_before = int(state.get("bytes_sent", 0))  # absent in checkpoints of earlier versions
     log.info("resumed from %s at step %d", step_dir, state["step"])
     return Progress(state["step"], state["train_time"], state["rows"])

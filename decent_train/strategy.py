@@ -22,6 +22,7 @@ class Strategy:
         self.optimizer = optimizer
         self.forward_module = forward_module   # what training calls (the DDP wrapper for all-reduce)
         self.decentralized = decentralized
+        self.bytes_before = 0  # bytes this rank sent in the runs a resumed job continues (its checkpoint's)
 
     def eval_context(self):
         """Evaluation sees the exact global average of the replicas (a collective for decentralized runs;
@@ -37,12 +38,17 @@ class Strategy:
     def consensus_distance(self) -> float:
         return self.optimizer.consensus_distance() if self.decentralized else 0.0
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has gossiped over the whole job, the runs before a resume included."""
+        return self.bytes_before + (self.optimizer.bytes_sent if self.decentralized else 0)
+
     def comm_metrics(self, env) -> dict:
         """Gossip traffic so far (MB sent per rank, mean over ranks: a collective), the topology in use and rank 0's
         last disagreement with its neighbours; empty for all-reduce."""
         if not self.decentralized:
             return {}
-        sent = torch.tensor([float(self.optimizer.bytes_sent)], dtype=torch.float64, device=env.device)
+        sent = torch.tensor([float(self.bytes_sent)], dtype=torch.float64, device=env.device)
         if env.distributed:
             dist.all_reduce(sent)
         topo = self.optimizer.topology

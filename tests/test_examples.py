@@ -142,6 +142,14 @@ def test_train_lm_decentralized_logs_and_resume(tmp_path):
     resumed = read_log(resumed_out)
     key = ("step", "train_loss", "val_loss", "consensus_distance")
     assert [[r.get(k) for k in key] for r in resumed["rows"]] == [[r.get(k) for k in key] for r in full["rows"]]
+    # bytes_sent_mb counts the whole job, the run before the resume included (it restarted from 0): the resumed
+    # optimizer's first step exchanges x^3 once more (the neighbours' copies are not in a checkpoint), one round
+    # more than the uninterrupted run.
+    sent = {r["step"]: r["bytes_sent_mb"] for r in full["rows"] if r.get("bytes_sent_mb") is not None}
+    again = {r["step"]: r["bytes_sent_mb"] for r in resumed["rows"] if r.get("bytes_sent_mb") is not None}
+    assert sorted(sent) == sorted(again) == [3, 6] and again[3] == sent[3] > 0
+    per_round = (sent[6] - sent[3]) / 3
+    assert again[6] == pytest.approx(sent[6] + per_round) and resumed["summary"]["bytes_sent_mb"] == again[6]
 
 
 def test_train_lm_allreduce(tmp_path):
