@@ -112,6 +112,14 @@ class BoundedAllReduce:
         while self._held and now - self._held[0][0] >= HOLD_S:
             self._held.popleft()
 
+    def let_go(self, tensor: torch.Tensor):
+        """Frees the memory of `tensor`, a finished all-reduce's that its caller no longer reads (a collective
+        utility's float64 temporary: twice the model's float32 bytes, else resident until the next step prunes it).
+        Its Python object stays held for the rest of HOLD_S, which is all the hold is for: the worker is done with
+        the data once the wait returned. CPU only: a device tensor's memory is stream-ordered by its allocator."""
+        if tensor.device.type == "cpu" and any(held is tensor for _, held in self._held):
+            tensor.untyped_storage().resize_(0)
+
     def release(self):
         """Returns once the newest all-reduce finished HOLD_S ago (at most that long), letting go of every tensor."""
         if self._held:

@@ -113,6 +113,9 @@ def announce(all_reduce, what: str, step: int, sizes: List[int]) -> None:
                            "parameters of other steps") from e
 
 
+_CHUNK = 1 << 20  # elements per temporary of the collective utilities (8 MiB in float64)
+
+
 @torch.no_grad()
 def consensus_distance(buckets, all_reduce, world_size: int) -> float:
     """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective)."""
@@ -120,10 +123,14 @@ def consensus_distance(buckets, all_reduce, world_size: int) -> float:
         return 0.0
     total = torch.zeros((), dtype=torch.float64, device=buckets[0].device)
     for b in buckets:
-        x = b.flat.double()
-        mean = x.clone()
+        mean = b.flat.double()
         all_reduce_mean_(mean, all_reduce, world_size, f"consensus_distance(): the mean of bucket {b.index}")
-        total += ((x - mean) ** 2).sum()
+        # In chunks: the whole bucket's x.double(), x - mean and its square took 8x the bucket's float32 bytes at
+        # once (one 16 MiB bucket: 131 MiB), on top of the mean's 2x.
+        for i in range(0, b.numel, _CHUNK):
+            d = b.flat[i:i + _CHUNK].double().sub_(mean[i:i + _CHUNK])
+            total += torch.dot(d, d)
+        all_reduce.let_go(mean)
     all_reduce(total, "consensus_distance(): the sum over ranks")
     return float(total) / world_size
 
@@ -164,18 +171,21 @@ def replica_variance(buckets, params: List[torch.Tensor], names_of: Dict[int, st
     for i, (b, s) in enumerate(slots):
         seg = buf[off:off + s.numel]
         seg.copy_(b.flat[s.offset:s.offset + s.numel])
-        buf[total + i] = seg.square().sum()
+        buf[total + i] = torch.dot(seg, seg)
         offs.append(off)
         off += s.numel
     local_sq = buf[total:].clone()
     n = world_size
     if n > 1:
         all_reduce(buf, "replica_variance()")
-    mean = buf[:total] / n
-    avg_sq = torch.stack([mean[o:o + s.numel].square().sum() for o, (_, s) in zip(offs, slots)])
+    # ||mean||^2 = ||sum||^2 / n^2, without a float64 copy of the whole model (mean = buf / n) nor its square
+    avg_sq = torch.stack([torch.dot(seg, seg) for seg in (buf[o:o + s.numel] for o, (_, s) in zip(offs, slots))])
+    avg_sq /= n * n
     ms = buf[total:] / n
     var = (ms - avg_sq).clamp_min(0.0)
     rows = torch.stack([var, local_sq.sqrt(), ms.sqrt(), avg_sq.sqrt()], 1).tolist()
+    if n > 1:
+        all_reduce.let_go(buf)
     out = {}
     for (b, s), (v, nrm, rms, avgn) in zip(slots, rows):
         out[names_of[id(s.param)]] = dict(variance=v / s.numel, norm=nrm, norm_rms=rms, avg_norm=avgn, numel=s.numel)
