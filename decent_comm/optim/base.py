@@ -213,8 +213,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                 self._step_atc(skip_update)
             written(self._buckets)
             note_in_flight(self._buckets, self._schedule.sending_parameters())
-            if self._schedule.all_reduce is not None:  # lets go of what the last all-reduces kept (exchange.bounded)
-                self._schedule.all_reduce.prune()
+            self._let_go()
             self._closure = None
             self._note_state()
         return loss if self._closure_loss is None else self._closure_loss

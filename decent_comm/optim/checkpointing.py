@@ -97,6 +97,16 @@ class StateDictMixin:
         for name in Int8Wire.state_names(self._buckets):
             publish_named_state(self._buckets, self.state, name, copies, self._correction_for_stateless_params)
 
+    def _let_go(self):
+        """After a step, what it no longer needs: the last whole-group all-reduces' tensors (exchange.bounded), and
+        a checkpoint's delayed_mix correction, which only a run resumed from that checkpoint reads (at its next
+        round): this run mixes that round from what it received, and the next state_dict() computes the correction
+        afresh. Kept, it was one more buffer of every bucket for the rest of the run."""
+        if self._schedule.all_reduce is not None:
+            self._schedule.all_reduce.prune()
+        if not self._schedule.correction_due and any(CORRECTION in b.state for b in self._buckets):
+            drop_named_state(self._buckets, self.state, CORRECTION)
+
     def _gather_round_state(self):
         wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
         for name in [CORRECTION] + sorted(wire):

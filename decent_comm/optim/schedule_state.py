@@ -76,6 +76,11 @@ def _wire_round_of(extra: Optional[dict]) -> Optional[dict]:
 
 class ScheduleCheckpoint:
 
+    @property
+    def correction_due(self) -> bool:
+        """Whether a loaded checkpoint's delayed_mix correction (b.state[CORRECTION]) is still to be mixed."""
+        return self._restored
+
     @torch.no_grad()
     def checkpoint_correction(self) -> bool:
         """AWC with delayed_mix, after synchronize(): puts the mix of the round in flight, sum_j w_j (y_j - z), into
