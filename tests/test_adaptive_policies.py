@@ -111,6 +111,21 @@ def test_adaptive_spec_binding_and_state():
         T.Adaptive(["ring"], T.PhaseSchedule([("complete", 0)]), world_size=4)
 
 
+def test_index_at_follows_a_long_history():
+    """index_at against a linear scan over 2,000 forced switches (it searches the history; it built the list
+    of starts on every call, linear in the switches)."""
+    a = T.Adaptive(["ring", "complete", "one-peer-exp"], T.PhaseSchedule([("ring", 0)]), world_size=8)
+    rng = np.random.default_rng(0)
+    step = 0
+    for _ in range(2000):
+        step += int(rng.integers(1, 4))
+        a.force(step, int(rng.integers(0, 3)))
+    hist = a.history
+    for s in [-1, 0, 1, 2, 3, *rng.integers(0, step + 10, 300).tolist(), step, step + 5]:
+        want = hist[0][1] if s < 0 else [i for start, i in hist if start <= s][-1]
+        assert a.index_at(s) == want, s
+
+
 def test_single_process_is_torch_with_adaptive_topology():
     model = make_model(0)
     twin = make_model(0)
