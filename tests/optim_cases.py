@@ -163,4 +163,5 @@ UTILITIES = {  # average_parameters and disagreement(all_reduce=True) share glob
     "replica_variance": lambda opt: opt.replica_variance(),
 }
 EVERY_UTILITY = {**UTILITIES, "average_parameters": lambda opt: opt.average_parameters(),
-                 "disagreement": lambda opt: opt.disagreement(all_reduce=True)}
+                 "disagreement": lambda opt: opt.disagreement(all_reduce=True),
+                 "synchronize": lambda opt: opt.synchronize()}

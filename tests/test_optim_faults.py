@@ -48,7 +48,7 @@ def _extra_step_on_one_rank(rank, n, utility, mode):
 
 
 @pytest.mark.parametrize("utility,mode", [(u, "awc") for u in sorted(EVERY_UTILITY)] +
-                         [("consensus_distance", "atc"), ("global_average", "atc")])
+                         [("consensus_distance", "atc"), ("global_average", "atc"), ("synchronize", "atc")])
 def test_a_rank_that_stepped_more_often_is_named_by_the_collective_utilities_on_every_rank(utility, mode):
     """The gossip itself cannot tell (each later round pairs with the neighbours' previous one: same sizes, same
     tags); a utility, which meets every rank anyway, compares the step counts before its all-reduces."""
@@ -212,3 +212,31 @@ def test_rank_dying_between_arrival_and_its_config_is_named_by_the_others():
         # and slack (8 s in all failed once at 12.3 s with the suite beside three multi-rank jobs on 2 cores): far
         # below the store's 60 s verdict wait or gloo's 30 min, which is what this bounds
         assert res[r]["elapsed"] < 3 + 3 + 15, res[r]
+
+
+def _evaluate_on_rank_0_only(rank, n):
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="one-peer-exp", timeout=2)
+    start = None
+    try:
+        for t in range(6):
+            train_steps(rank, model, opt, 1, start=t)
+            if t == 2:
+                start = time.monotonic()
+                if rank == 0:  # the common mistake: evaluating on rank 0 only with a collective utility
+                    with opt.global_average():
+                        pass
+        return "no error", "", 0.0
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def test_a_utility_on_one_rank_while_the_others_step_times_out_saying_so():
+    """Past the warm-up the other ranks are in the gossip, not in an announced call: no rank can name the
+    mismatch, so every rank raises ExchangeTimeout within the timeout (and the grace for naming), and the rank in
+    the utility says that every rank must make that call."""
+    results = run_ranks(_evaluate_on_rank_0_only, 3, timeout=120)
+    for rank, (kind, msg, seconds) in enumerate(results):
+        assert kind == "ExchangeTimeout" and seconds < 9, (rank, kind, msg, seconds)
+    assert "global_average(): announcing it to the other ranks, which must all make this call" in results[0][1]
+    assert "never joins it" in results[0][1], results[0][1]

@@ -155,7 +155,10 @@ class BoundedAllReduce:
         rows[self.rank] = torch.tensor(mine, dtype=torch.float64)
         group_name = (self.group or dist.distributed_c10d._get_default_group()).group_name
         seq = _agreements[group_name] = _agreements.get(group_name, 0) + 1
-        self(rows.view(-1), f"{what}: announcing it to the other ranks")
+        # A rank that never comes is most often not dead but doing something else: still stepping while this one
+        # evaluates (`if rank == 0: with opt.global_average(): ...`), or in another call.
+        self(rows.view(-1), f"{what}: announcing it to the other ranks, which must all make this call at this step "
+                            f"(a rank still stepping, or in another call, never joins it)")
         rows = rows.tolist()
         if all(r == rows[0] for r in rows):
             return

@@ -350,8 +350,10 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     # ---------------------------------------------------------------------------------------- collectives
 
     def synchronize(self):
-        """Completes all pending communication. In ATC mode it applies the pending mix, so the parameters
-        are exactly x^{t+1}. In AWC mode the received x^t of the neighbours stays valid for the next step."""
+        """Completes all pending communication (ATC: applies the pending mix, so the parameters are x^{t+1}; AWC:
+        the neighbours' x^t stays valid for the next step). A collective, announced as the other utilities: ranks
+        at different step counts raise RuntimeError naming them (they waited for a round never sent)."""
+        self._announce("synchronize()", [])
         self._schedule.synchronize()
 
     @contextlib.contextmanager
@@ -359,7 +361,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         """Swaps in the exact global average of the replicas (for evaluation or saving) and restores each
         rank's own parameters on exit. A collective: every rank must enter it."""
         self._announce("global_average()", [b.flat.numel() for b in self._buckets])
-        self.synchronize()
+        self._schedule.synchronize()
         saved = [b.flat.clone() for b in self._buckets]
         try:
             self._average_()
@@ -373,7 +375,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def average_parameters(self):
         """Permanently replaces every replica by the global average (e.g. before final evaluation)."""
         self._announce("average_parameters()", [b.flat.numel() for b in self._buckets])
-        self.synchronize()
+        self._schedule.synchronize()
         self._average_()
         self._schedule.forget_inflight()  # what neighbours sent before the average is stale now
 
@@ -384,8 +386,6 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                 diagnostics.all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
                                              f"the global average of bucket {b.index}")
             written(self._buckets)
-
-    # ---------------------------------------------------------------------------------------- state_dict
 
     def _param_list(self):
         return [p for g in self.param_groups for p in g["params"]]

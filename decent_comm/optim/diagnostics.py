@@ -252,7 +252,7 @@ class ReplicaWatch:
         if self._schedule.t % int(every):
             return None
         self._announce("replica_variance()", [sum(len(b.slots) + b.flat.numel() for b in self._buckets)])
-        self.synchronize()
+        self._schedule.synchronize()
         names_of = param_names(self.param_groups, names if names is not None else self._model)
         return replica_variance(self._buckets, self._param_list(), names_of, self._schedule.all_reduce,
                                 self.world_size)
@@ -261,7 +261,7 @@ class ReplicaWatch:
     def consensus_distance(self) -> float:
         """(1/n) sum_i ||x_i - mean||^2 over all parameters (a collective: every rank must call it)."""
         self._announce("consensus_distance()", [b.flat.numel() for b in self._buckets] + [1])
-        self.synchronize()
+        self._schedule.synchronize()
         return consensus_distance(self._buckets, self._schedule.all_reduce, self.world_size)
 
 
