@@ -358,3 +358,41 @@ def test_a_capturable_edit_between_steps_is_still_refused():
     opt.param_groups[0]["capturable"] = True
     with pytest.raises(ValueError, match=r"param group 0\): capturable=True is not supported"):
         step(m, opt, 1)
+
+
+@pytest.mark.parametrize("src, into, foreign", [
+    (lambda ps: decent_comm.DSGD(ps, lr=0.05, momentum=0.9), decent_comm.DAdamW, "momentum_buffer"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), decent_comm.DAdam, "momentum_buffer"),
+    (lambda ps: torch.optim.AdamW(ps, **HP), decent_comm.DSGD, "exp_avg"),
+    (lambda ps: decent_comm.AccumAdamW(ps, **HP), decent_comm.DAdamW, "accum"),
+])
+def test_another_optimizers_checkpoint_is_refused_before_anything_loads(src, into, foreign):
+    """DAdamW took DSGD's state: its moments started at zero under the saved step's bias correction (a first
+    update of 0.58 lr after 3 steps) and kept the foreign buffer for nothing; torch fails at the next step."""
+    m = model()
+    other = src(m.parameters())
+    for t in range(3):
+        step(m, other, t)
+    saved = copy.deepcopy(other.state_dict())
+    mine = model()
+    opt = into(mine.parameters(), lr=0.05)
+    step(mine, opt, 0)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"state \[[^]]*'{foreign}'[^]]*\] that {into.__name__} does not keep"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert all(torch.equal(before["state"][k][n], after["state"][k][n]) for k in before["state"]
+               for n in before["state"][k])
+    saved["state"] = {}  # what the message says: the groups (lr, ...) load, the state starts afresh
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == saved["param_groups"][0]["lr"] and not opt.state
+
+
+def test_a_subset_of_the_state_loads():
+    """AccumAdamW from torch AdamW: the moments load, the accumulator starts at zero (as before)."""
+    m = model()
+    ref = torch.optim.AdamW(m.parameters(), **HP)
+    step(m, ref, 0)
+    opt = decent_comm.AccumAdamW(model().parameters(), **HP)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert torch.equal(opt.state[next(iter(opt.state))]["exp_avg"], ref.state[next(iter(ref.state))]["exp_avg"])

@@ -18,6 +18,9 @@ SCHEDULE_KEY = "decentralized"
 class StateDictMixin:
     """Reads the optimizer's _buckets, _schedule, state, param_groups, _state_names and _check_group_options."""
 
+    #: every per-parameter state buffer the class keeps (None: a wrapped torch optimizer's, its own to judge)
+    _STATE_NAMES = None
+
     def _optimizer_state_dict(self) -> dict:
         """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
         with state_dict_hooks.suspended(self):
@@ -75,6 +78,7 @@ class StateDictMixin:
         extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,
                                                        len(self._param_list()))
         self._schedule.check_loadable(extra)
+        self._check_state_names(state_dict.get("state", {}))
         self._load_optimizer_state_dict(state_dict)
         if restart_copies or not int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
             drop_named_state(self._buckets, self.state, WIRE_PREFIX)
@@ -82,6 +86,23 @@ class StateDictMixin:
         self._schedule.load_state_dict(extra)
         self._show_schedule()
         self._note_state()
+
+    def _check_state_names(self, saved: dict):
+        """Refuses per-parameter state this class never keeps: another optimizer's checkpoint (DSGD's or SGD's
+        momentum_buffer in DAdamW, Adam's moments in DSGD). Loaded, the foreign buffers were kept for nothing and
+        the saved step counts applied to state that started at zero (DAdamW's first update after a DSGD
+        checkpoint of 3 steps: 0.58 lr, Adam's bias correction of step 4 on zero moments); torch's optimizers fail
+        at the next step instead. A subset loads (AccumAdamW from AdamW: its accumulator starts at zero)."""
+        if self._STATE_NAMES is None:
+            return
+        mine = set(self._STATE_NAMES) | {"step", CORRECTION}
+        for key, st in saved.items():
+            foreign = sorted(str(n) for n in (st or {}) if n not in mine and not str(n).startswith(WIRE_PREFIX))
+            if foreign:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {key!r} has state {foreign} that "
+                                 f"{type(self).__name__} does not keep (its state: {sorted(self._STATE_NAMES)}, "
+                                 "step): the state_dict is another optimizer's. Nothing was loaded; to start this "
+                                 "optimizer's state afresh from it, empty its 'state' first")
 
     # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
     _correction_for_stateless_params = True

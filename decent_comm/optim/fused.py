@@ -151,6 +151,8 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
             raise ValueError(f"{where}: nesterov=True with dampening={group['dampening']}: Nesterov momentum "
                              "requires zero dampening")
 
+    _STATE_NAMES = ("momentum_buffer",)
+
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
 
@@ -200,6 +202,8 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                              f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
                              "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
 
+    _STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]
 
@@ -247,6 +251,8 @@ class AccumAdam(_AdamBase):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          _extra_defaults=dict(accum_steps=int(accum_steps)), **decentralized)
+
+    _STATE_NAMES = ("exp_avg", "exp_avg_sq", "accum")
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq", "accum"]
