@@ -396,3 +396,21 @@ def test_a_subset_of_the_state_loads():
     opt = decent_comm.AccumAdamW(model().parameters(), **HP)
     opt.load_state_dict(copy.deepcopy(ref.state_dict()))
     assert torch.equal(opt.state[next(iter(opt.state))]["exp_avg"], ref.state[next(iter(ref.state))]["exp_avg"])
+
+
+def test_another_topology_or_cadence_is_refused_naming_both_and_what_to_do():
+    m = model()
+    src = decent_comm.DAdamW(m.parameters(), topology="ring", **HP)
+    step(m, src, 0)
+    saved = copy.deepcopy(src.state_dict())
+    opt = decent_comm.DAdamW(model().parameters(), topology="one-peer-exp", **HP)
+    with pytest.raises(ValueError, match=r"another topology \('ring', fingerprint [0-9a-f]{16}; this optimizer has "
+                                         r"'one-peer-exp', fingerprint [0-9a-f]{16}\)\. To go on from its moments"):
+        opt.load_state_dict(copy.deepcopy(saved))
+    cadence = decent_comm.DAdamW(model().parameters(), topology="ring", gossip_every=2, **HP)
+    with pytest.raises(ValueError, match=r"gossip_every=1, this optimizer has gossip_every=2\. To go on .* drop the "
+                                         r"'decentralized' entry"):
+        cadence.load_state_dict(copy.deepcopy(saved))
+    saved["param_groups"][0].pop("decentralized")  # as advised: the moments load, the schedule starts afresh
+    opt.load_state_dict(saved)
+    assert torch.equal(opt.state[next(iter(opt.state))]["exp_avg"], src.state[next(iter(src.state))]["exp_avg"])

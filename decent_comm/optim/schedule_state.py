@@ -115,7 +115,8 @@ class ScheduleCheckpoint:
                     delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
                     int8_wire_round=None if self._wire_round is None else [self._wire_round["step"],
                                                                            self._wire_round["factor"]],
-                    topology=self.topology.fingerprint(), mode=self.mode, world_size=self.world_size, rank=self.rank,
+                    topology=self.topology.fingerprint(), topology_name=self.topology.name, mode=self.mode,
+                    world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
 
@@ -133,13 +134,17 @@ class ScheduleCheckpoint:
                                  "every rank under one checkpoint_id keeps a single rank's copy of each entry, "
                                  "parameters included, as if the replicas were identical: save each rank under its "
                                  "own checkpoint_id with no_dist=True, docs/api.md.)")
+        afresh = (" To go on from its moments under this optimizer's schedule, drop the 'decentralized' entry before "
+                  "loading: the gossip schedule then starts afresh (step 0 of its topology and cadence).")
         for key in ("gossip_every", "warmup_steps", "delayed_mix"):
             if key in extra and extra[key] != getattr(self.cadence, key):
                 raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
-                                 f"{key}={getattr(self.cadence, key)}")
+                                 f"{key}={getattr(self.cadence, key)}." + afresh)
         if extra["topology"] != self.topology.fingerprint():
-            raise ValueError("the checkpoint was written with another topology (fingerprint "
-                             f"{extra['topology']}, this optimizer has {self.topology.fingerprint()})")
+            saved = f"{extra['topology_name']!r}, " if extra.get("topology_name") else ""
+            raise ValueError(f"the checkpoint was written with another topology ({saved}fingerprint "
+                             f"{extra['topology']}; this optimizer has {self.topology.name!r}, fingerprint "
+                             f"{self.topology.fingerprint()})." + afresh)
 
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
