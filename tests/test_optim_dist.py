@@ -227,9 +227,9 @@ def test_adaptive_consensus_follows_the_decay_from_the_peak_of_a_warm_up():
     later = decent_comm.AdaptiveConsensus(p=2.0, start_step=3, min_factor=0.2)
     assert [later.factor(t, lr) for t, lr in enumerate(lrs)] == pytest.approx(
         [1.0, 1.0, 1.0, 1.0, 0.2 + 0.8 * 0.5 ** 2, 1.0])  # reference from step 3 on: 0.5, then 0.8
-    assert later.state_dict() == {"lr_peak": 0.8}
+    assert later.state_dict() == {"lr_at_start": 0.8}  # the key earlier checkpoints (DCP included) hold
     old = decent_comm.AdaptiveConsensus(p=1.0)
-    old.load_state_dict({"lr_at_start": 2.0})  # a checkpoint of the versions before the peak
+    old.load_state_dict({"lr_at_start": 2.0})  # a checkpoint of the versions before the peak: taken as it
     assert old.factor(10, 0.5) == 0.25
 
 

@@ -365,6 +365,7 @@ def test_a_capturable_edit_between_steps_is_still_refused():
     (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), decent_comm.DAdam, "momentum_buffer"),
     (lambda ps: torch.optim.AdamW(ps, **HP), decent_comm.DSGD, "exp_avg"),
     (lambda ps: decent_comm.AccumAdamW(ps, **HP), decent_comm.DAdamW, "accum"),
+    (lambda ps: decent_comm.DSGD(ps, lr=0.05), decent_comm.DAdamW, None),  # momentum 0: a count, no buffer
 ])
 def test_another_optimizers_checkpoint_is_refused_before_anything_loads(src, into, foreign):
     """DAdamW took DSGD's state: its moments started at zero under the saved step's bias correction (a first
@@ -378,7 +379,9 @@ def test_another_optimizers_checkpoint_is_refused_before_anything_loads(src, int
     opt = into(mine.parameters(), lr=0.05)
     step(mine, opt, 0)
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=rf"state \[[^]]*'{foreign}'[^]]*\] that {into.__name__} does not keep"):
+    match = rf"state \[[^]]*'{foreign}'[^]]*\] that {into.__name__} does not keep" if foreign else \
+        rf"has a step count but not {into.__name__}'s \['exp_avg', 'exp_avg_sq'\]"
+    with pytest.raises(ValueError, match=match):
         opt.load_state_dict(saved)
     after = opt.state_dict()
     assert all(torch.equal(before["state"][k][n], after["state"][k][n]) for k in before["state"]
@@ -414,3 +417,20 @@ def test_another_topology_or_cadence_is_refused_naming_both_and_what_to_do():
     saved["param_groups"][0].pop("decentralized")  # as advised: the moments load, the schedule starts afresh
     opt.load_state_dict(saved)
     assert torch.equal(opt.state[next(iter(opt.state))]["exp_avg"], src.state[next(iter(src.state))]["exp_avg"])
+
+
+def test_the_schedule_entry_keeps_the_keys_earlier_checkpoints_hold():
+    """torch.distributed.checkpoint loads the keys the live optimizer has and requires the checkpoint to hold them:
+    a key added to the "decentralized" entry (or to a consensus schedule's state) makes every earlier DCP checkpoint
+    fail to load ("Missing key in checkpoint state_dict"). A change here needs a migration, not a new key."""
+    opt = decent_comm.DAdamW(model().parameters(), consensus=decent_comm.AdaptiveConsensus(), **HP)
+    entry = opt.state_dict()["param_groups"][0]["decentralized"]
+    assert set(entry) == {"step", "next_factor", "gossip_every", "warmup_steps", "delayed_mix", "delayed_pending",
+                          "int8_wire_round", "topology", "mode", "world_size", "rank", "consensus", "adaptive"}
+    assert set(entry["consensus"]) == {"lr_at_start"}
+    # the topology's fingerprint first, then its name; earlier versions saved the fingerprint alone
+    other = decent_comm.DAdamW(model().parameters(), topology="ring", **HP)
+    old = copy.deepcopy(opt.state_dict())
+    old["param_groups"][0]["decentralized"]["topology"] = entry["topology"][:16]
+    with pytest.raises(ValueError, match=r"another topology \(fingerprint [0-9a-f]{16}; this optimizer has 'ring'"):
+        other.load_state_dict(old)

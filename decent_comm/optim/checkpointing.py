@@ -18,8 +18,10 @@ SCHEDULE_KEY = "decentralized"
 class StateDictMixin:
     """Reads the optimizer's _buckets, _schedule, state, param_groups, _state_names and _check_group_options."""
 
-    #: every per-parameter state buffer the class keeps (None: a wrapped torch optimizer's, its own to judge)
+    #: every per-parameter state buffer the class keeps (None: a wrapped torch optimizer's, its own to judge), and
+    #: those a parameter that has stepped always has
     _STATE_NAMES = None
+    _STATE_NEEDED = ()
 
     def _optimizer_state_dict(self) -> dict:
         """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
@@ -95,14 +97,18 @@ class StateDictMixin:
         at the next step instead. A subset loads (AccumAdamW from AdamW: its accumulator starts at zero)."""
         if self._STATE_NAMES is None:
             return
-        mine = set(self._STATE_NAMES) | {"step", CORRECTION}
+        name, mine = type(self).__name__, set(self._STATE_NAMES) | {"step", CORRECTION}
         for key, st in saved.items():
-            foreign = sorted(str(n) for n in (st or {}) if n not in mine and not str(n).startswith(WIRE_PREFIX))
-            if foreign:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {key!r} has state {foreign} that "
-                                 f"{type(self).__name__} does not keep (its state: {sorted(self._STATE_NAMES)}, "
-                                 "step): the state_dict is another optimizer's. Nothing was loaded; to start this "
-                                 "optimizer's state afresh from it, empty its 'state' first")
+            st = st or {}
+            foreign = sorted(str(n) for n in st if n not in mine and not str(n).startswith(WIRE_PREFIX))
+            lacking = [n for n in self._STATE_NEEDED if n not in st] if "step" in st else []
+            if foreign or lacking:
+                what = f"has state {foreign} that {name} does not keep" if foreign else \
+                    f"has a step count but not {name}'s {lacking} (DSGD without momentum keeps only a count)"
+                raise ValueError(f"{name}.load_state_dict: parameter {key!r} {what}: the state_dict is another "
+                                 f"optimizer's ({name} keeps {sorted(self._STATE_NAMES)} and step). Nothing was "
+                                 "loaded; drop those entries from each parameter's state to load the rest, or empty "
+                                 "its 'state' to start this optimizer's state afresh")
 
     # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
     _correction_for_stateless_params = True

@@ -7,7 +7,8 @@ class AdaptiveConsensus:
 
     As the learning rate decays the replicas are allowed to disagree more (less averaging), which acts as a
     curvature-aware regularizer. lr_t is the learning rate of the first param group when the exchange of
-    that step is launched; lr_peak is the largest lr_t from start_step on (saved in the optimizer's state_dict).
+    that step is launched; lr_peak is the largest lr_t from start_step on (saved in the optimizer's state_dict
+    as "lr_at_start").
     The peak, not the lr at start_step: under a warm-up that start_step=0 (the default) leaves inside, the lr at
     step 0 is the warm-up's smallest, and every later lr looked at least as large (a = 1 until the decay fell
     below it: a 10-step warm-up from 1e-3 to 0.1 with a cosine to step 100 first lowered a at step 95). A
@@ -33,11 +34,13 @@ class AdaptiveConsensus:
         return self.min_factor + (1.0 - self.min_factor) * ratio ** self.p
 
     def state_dict(self):
-        return {"lr_peak": self.lr_peak}
+        # Under the key of the versions that kept the lr at start_step (the peak of a schedule that only decays from
+        # there): torch.distributed.checkpoint loads the keys a live optimizer has and requires the checkpoint to
+        # hold them, so a renamed key made every earlier DCP checkpoint unloadable.
+        return {"lr_at_start": self.lr_peak}
 
     def load_state_dict(self, state):
-        # "lr_at_start": a checkpoint of the versions that kept the lr at start_step as the reference
-        self.lr_peak = state.get("lr_peak", state.get("lr_at_start"))
+        self.lr_peak = state.get("lr_at_start")
 
     def __repr__(self):
         return f"AdaptiveConsensus(p={self.p}, start_step={self.start_step}, min_factor={self.min_factor})"

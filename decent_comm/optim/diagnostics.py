@@ -123,7 +123,7 @@ def consensus_distance(buckets, all_reduce, world_size: int) -> float:
         return 0.0
     total = torch.zeros((), dtype=torch.float64, device=buckets[0].device)
     for b in buckets:
-        mean = b.flat.double()
+        mean = b.flat.to(torch.float64, copy=True)  # a copy for float64 parameters too (.double() is b.flat then)
         all_reduce_mean_(mean, all_reduce, world_size, f"consensus_distance(): the mean of bucket {b.index}")
         # In chunks: the whole bucket's x.double(), x - mean and its square took 8x the bucket's float32 bytes at
         # once (one 16 MiB bucket: 131 MiB), on top of the mean's 2x.

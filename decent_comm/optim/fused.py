@@ -202,7 +202,7 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                              f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
                              "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
 
-    _STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    _STATE_NAMES = _STATE_NEEDED = ("exp_avg", "exp_avg_sq")
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]

@@ -74,6 +74,14 @@ def _wire_round_of(extra: Optional[dict]) -> Optional[dict]:
     return dict(step=step, factor=factor)
 
 
+def _topology_entry(topology) -> str:
+    """The entry's "topology": its 16-hex-digit fingerprint (what a resume must match), a space and its name (for the
+    refusal's message). Not a key of its own: torch.distributed.checkpoint loads the keys a live optimizer has and
+    requires the checkpoint to hold them, so a new key made every earlier DCP checkpoint unloadable; earlier
+    versions saved the fingerprint alone."""
+    return f"{topology.fingerprint()} {topology.name}"
+
+
 class ScheduleCheckpoint:
 
     @property
@@ -115,8 +123,7 @@ class ScheduleCheckpoint:
                     delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
                     int8_wire_round=None if self._wire_round is None else [self._wire_round["step"],
                                                                            self._wire_round["factor"]],
-                    topology=self.topology.fingerprint(), topology_name=self.topology.name, mode=self.mode,
-                    world_size=self.world_size, rank=self.rank,
+                    topology=_topology_entry(self.topology), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
 
@@ -140,11 +147,12 @@ class ScheduleCheckpoint:
             if key in extra and extra[key] != getattr(self.cadence, key):
                 raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
                                  f"{key}={getattr(self.cadence, key)}." + afresh)
-        if extra["topology"] != self.topology.fingerprint():
-            saved = f"{extra['topology_name']!r}, " if extra.get("topology_name") else ""
-            raise ValueError(f"the checkpoint was written with another topology ({saved}fingerprint "
-                             f"{extra['topology']}; this optimizer has {self.topology.name!r}, fingerprint "
-                             f"{self.topology.fingerprint()})." + afresh)
+        fingerprint, name = extra["topology"][:16], extra["topology"][17:]
+        if fingerprint != self.topology.fingerprint():
+            saved = f"{name!r}, " if name else ""
+            raise ValueError(f"the checkpoint was written with another topology ({saved}fingerprint {fingerprint}; "
+                             f"this optimizer has {self.topology.name!r}, fingerprint {self.topology.fingerprint()})."
+                             + afresh)
 
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
