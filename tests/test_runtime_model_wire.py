@@ -39,3 +39,42 @@ def test_the_8bit_wire_is_point_to_point_under_auto():
     complete = make_topology("complete", 8, 4)
     assert _seconds(_work(INT8), complete) == _seconds(_work(INT8, "p2p"), complete)
     assert _seconds(_work(INT8), complete) != _seconds(_work(INT8, "group-allreduce"), complete)
+
+
+def test_a_bf16_models_group_steps_move_its_two_bytes():
+    """param_bytes: the optimizers sum a group step in the parameters' dtype, so a bf16 model over a bf16 wire
+    moves 2 bytes per element there (priced 4 before: float32 assumed)."""
+    complete = make_topology("complete", 8, 4)
+    bf16_model = Workload(params=65e6, compute=ComputeTime(0.01), bytes_per_param=2, param_bytes=2)
+    assert bf16_model.group_bytes_per_rank == 65e6 * 2 and _work(2).group_bytes_per_rank == 65e6 * 4
+    assert _seconds(bf16_model, complete) == _seconds(_work(2, "group-allreduce"), complete)
+    with pytest.raises(ValueError, match="param_bytes must be 2"):
+        Workload(params=1, compute=ComputeTime(0.01), param_bytes=3)
+
+
+def test_recipe_wires_follow_the_parameters_dtype():
+    from decent_comm.runtime_model.quality import wire_bytes
+    assert [wire_bytes(w) for w in ("fp32", "bf16", "int8")] == [4.0, 2.0, INT8]
+    assert [wire_bytes(w, 2) for w in ("fp32", "bf16", "int8")] == [2.0, 2.0, INT8]  # comm_dtype=None: bf16
+    assert [wire_bytes(w, 8) for w in ("fp32", "bf16", "int8")] == [8.0, 2.0, INT8]
+
+
+def test_plan_param_dtype_prices_a_bf16_model():
+    import json
+    import subprocess
+    import sys
+
+    def plan(*extra):
+        cmd = [sys.executable, "-m", "decent_comm", "plan", "--nodes", "2", "--gpus-per-node", "4", "--params", "65M",
+               "--inter-bw", "25Gbit", "--intra-bw", "600Gbit", "--compute", "100ms", "--wire-dtype", "bf16",
+               "--topologies", "complete,one-peer-exp", "--no-sim", "--json", *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    fp32, bf16 = plan(), plan("--param-dtype", "bf16")
+    # complete: one group all-reduce a step, float32 sums for an fp32 model, bf16 for a bf16 one
+    assert bf16["complete"]["comm_seconds"] < 0.6 * fp32["complete"]["comm_seconds"]
+    # one-peer-exp is point to point over the bf16 wire either way, and DDP all-reduces the bf16 wire either way
+    for name in ("one-peer-exp", "allreduce"):
+        assert bf16[name]["comm_seconds"] == fp32[name]["comm_seconds"]

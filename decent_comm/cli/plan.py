@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--params", type=COUNT, help="parameters per replica, e.g. 65M, 1.3B")
     g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
                    help="dtype on the wire: fp32 (default, 4 bytes/param), bf16, fp16 (2), fp8 (1), ...")
+    g.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16", "fp64"), default="fp32",
+                   help="the parameters' dtype (default fp32): group all-reduce steps and the default wire move it")
     g.add_argument("--compute", type=DURATION,
                    help="mean forward+backward+update time per step, e.g. 120ms")
     g.add_argument("--compute-std", type=DURATION, default=0.0,
@@ -208,18 +210,19 @@ def build_inputs(args, parser):
         if exchange == "auto":
             exchange = "p2p"
             notes.append("--wire-dtype int8: gossip priced point to point, as the 8-bit wire runs every step; "
-                         "allreduce (DDP, which has no 8-bit wire) priced with fp32 gradients")
+                         "allreduce (DDP, which has no 8-bit wire) priced with gradients in the parameters' dtype")
     workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
-                        mode=args.mode, bucket_bytes=args.bucket_size, exchange=exchange)
+                        mode=args.mode, bucket_bytes=args.bucket_size, exchange=exchange,
+                        param_bytes=WIRE_DTYPES[args.param_dtype])
     return cluster, workload, notes
 
 
 def allreduce_workload(args, workload):
-    """What DDP is priced with: the same workload, but fp32 gradients under --wire-dtype int8 (DDP has no 8-bit
-    wire; its bf16/fp16 compression hooks make the other wires real for it)."""
+    """What DDP is priced with: the same workload, but gradients in the parameters' dtype under --wire-dtype int8
+    (DDP has no 8-bit wire; its bf16/fp16 compression hooks make the other wires real for it)."""
     if args.wire_dtype != "int8":
         return workload
-    return dataclasses.replace(workload, bytes_per_param=WIRE_DTYPES["fp32"], exchange="auto")
+    return dataclasses.replace(workload, bytes_per_param=workload.param_bytes, exchange="auto")
 
 
 def topology_names(text, cluster, notes: list) -> list:

@@ -31,7 +31,8 @@ def _header(cluster, workload, wire_dtype, allreduce_workload=None) -> list:
         f" {format_seconds(cluster.intra_latency)}",
         f"workload: {workload.params / 1e6:.4g}M params x {workload.bytes_per_param:.4g} B ({wire_dtype})"
         f" = {format_bytes(workload.bytes_per_rank)} per rank per step; compute {comp}"
-        f" (sigma^2 = {c.cv2:.4f}); mode {workload.mode}, exchange {workload.exchange}",
+        f" (sigma^2 = {c.cv2:.4f}); mode {workload.mode}, exchange {workload.exchange}"
+        + ("" if workload.param_bytes == 4 else f"; parameters of {workload.param_bytes:g} B"),
         f"all-reduce: {format_seconds(ar.comm_seconds)} communication"
         f" ({'hierarchical' if ar.hierarchical else 'flat'} ring, {ar.buckets} buckets),"
         f" {format_seconds(ar.exposed_seconds)} not hidden by the backward;"

@@ -43,7 +43,7 @@ from .gossip import workload_step_groups
 from .loads import schedule_of
 from .messages import TooManyMessages
 from .mixing import sparse_gap_per_step
-from .quality import WIRE_BYTES, price
+from .quality import WIRE_BYTES, price, wire_bytes
 from .simulator import SimResult, simulate, simulate_allreduce
 
 DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
@@ -212,6 +212,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     if fastest_gossip is not None:  # each wire as the optimizers run it (exchange "auto"), whatever the plan's
         topo, by_wire = make_topology(fastest_gossip.name, n, L), {}
         for wire, b in WIRE_BYTES.items():
+            b = wire_bytes(wire, workload.param_bytes)
             try:
                 by_wire[wire] = predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo,
                                                ar_workload)
@@ -220,7 +221,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
                 notes.append(f"{wire} wire recipes not priced on {fastest_gossip.name}: that wire runs it point to "
                              f"point, more messages per step than the model handles")
     quality = price(ar_pred, by_wire, workload.compute.mean, ar_workload.bytes_per_param,
-                    workload.compute.forward_fraction)
+                    workload.compute.forward_fraction, param_bytes=workload.param_bytes)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
 

@@ -96,21 +96,31 @@ def _gossip_step(per_round_comm, compute: float, k: int, delayed: bool, hidden_f
     return compute + sum(max(0.0, d - hidden) for d in rounds) / len(rounds) / k
 
 
+def wire_bytes(wire: str, param_bytes: float = 4) -> float:
+    """Bytes per element a recipe's wire moves for parameters of `param_bytes`: "fp32" is the optimizers' default
+    wire (comm_dtype=None, WIRE_OPTION), the parameters' own dtype; bf16 is never wider than them; the 8-bit wire is
+    its own."""
+    if wire == "fp32":
+        return float(param_bytes)
+    return WIRE_BYTES[wire] if wire == "int8" else min(WIRE_BYTES[wire], float(param_bytes))
+
+
 def price(allreduce, gossip: Optional[Dict[str, object]], compute: float, allreduce_bytes_per_param: float,
-          forward_fraction: float) -> List[Priced]:
+          forward_fraction: float, param_bytes: float = 4) -> List[Priced]:
     """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``, made for
-    `allreduce_bytes_per_param` (periodic averaging all-reduces the float32 parameters: rescaled from it); `gossip`:
+    `allreduce_bytes_per_param` (periodic averaging all-reduces the parameters: rescaled from it); `gossip`:
     per wire of WIRE_BYTES, the ``Prediction`` of the topology gossip recipes use over that wire (what the step
     moves depends on the wire, not only its bytes: the 8-bit wire never groups, a bf16 wire's group steps sum
     float32; None: that wire's recipes are not priced), or None (only All-Reduce and periodic averaging); `compute`:
-    the mean compute time per step, `forward_fraction` its forward's share."""
+    the mean compute time per step, `forward_fraction` its forward's share; `param_bytes`: the parameters' bytes per
+    element (periodic averaging all-reduces them in their dtype)."""
     ar_step = allreduce.step_seconds
     out = []
     for kind in RECIPES:
         if kind.family == "allreduce":
             step, topo = ar_step, None
         elif kind.family == "periodic":
-            comm = allreduce.comm_seconds * WIRE_BYTES[kind.wire] / allreduce_bytes_per_param
+            comm = allreduce.comm_seconds * wire_bytes(kind.wire, param_bytes) / allreduce_bytes_per_param
             step, topo = compute + max(0.0, comm - compute) / kind.gossip_every, "complete"
         elif gossip is None or gossip[kind.wire] is None:
             continue

@@ -19,8 +19,8 @@ three ranks, runs one all-reduce per group, any other step point to point),
 ``"p2p"`` (every rank sends its buffer to each out-neighbour) or
 ``"group-allreduce"`` (every step that is uniform averaging over groups runs
 one all-reduce per group, as the seed library Decent-DP does). Under "auto" the 8-bit wire is always point
-to point and a bf16/fp16 wire's group steps sum float32 parameters (``group_bytes_per_rank``), as the
-optimizers do.
+to point and a bf16/fp16 wire's group steps sum in the parameters' dtype, ``param_bytes`` per element (4:
+float32, the default; 2: a bf16/fp16 model) (``group_bytes_per_rank``), as the optimizers do.
 """
 from __future__ import annotations
 
@@ -109,6 +109,7 @@ class Workload:
     mode: str = "awc"
     bucket_bytes: float = DDP_BUCKET_BYTES
     exchange: str = "auto"
+    param_bytes: float = 4
 
     def __post_init__(self):
         if not (math.isfinite(self.params) and self.params >= 0):
@@ -124,6 +125,8 @@ class Workload:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if not self.bucket_bytes > 0:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
+        if self.param_bytes not in (2, 4, 8):
+            raise ValueError(f"param_bytes must be 2 (bf16/fp16), 4 (fp32) or 8 (fp64), got {self.param_bytes!r}")
 
     @property
     def bytes_per_rank(self) -> float:
@@ -133,10 +136,10 @@ class Workload:
     @property
     def group_bytes_per_rank(self) -> float:
         """What a group all-reduce step sums per rank: ``B``, except that decent_comm's optimizers (``"auto"``)
-        sum a bf16/fp16 wire's groups in the parameters' float32 (a sum in the wire dtype rounds every partial
-        sum: decent_comm/optim/wire_buffers.py)."""
+        sum a bf16/fp16 wire's groups in the parameters' dtype, ``param_bytes`` (a sum in the wire dtype rounds
+        every partial sum: decent_comm/optim/wire_buffers.py)."""
         if self.exchange == "auto":
-            return float(self.params) * max(self.bytes_per_param, WIRE_DTYPES["fp32"])
+            return float(self.params) * max(self.bytes_per_param, self.param_bytes)
         return self.bytes_per_rank
 
     @property
