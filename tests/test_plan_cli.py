@@ -74,6 +74,12 @@ def tiny_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), torch.randn(8, 16)
 
 
+def tiny_bf16_model():
+    import torch
+    model, batch = tiny_model()
+    return model.to(torch.bfloat16), batch.to(torch.bfloat16)
+
+
 def raising_model():
     raise RuntimeError("no weights here")
 
@@ -85,6 +91,16 @@ def test_cli_measure_is_honest_about_the_proxy():
     assert d["inputs"]["params"] == 16 * 32 + 32 + 32 * 4 + 4
     assert d["inputs"]["compute_sample_size"] == 2
     assert any("LOCAL PROXY" in n for n in d["notes"]) and any("measured compute" in n for n in d["notes"])
+
+
+def test_cli_measure_takes_the_models_parameter_dtype():
+    """A bf16 model's group steps sum in bf16 (docs/planner.md --param-dtype); an explicit flag wins."""
+    base = MEASURE + ["--device", "cpu", "--json"]
+    sizes = [json.loads(run_cli(base + extra)[1])["inputs"]["param_bytes"] for extra in
+             (["--model", "test_plan_cli:tiny_model"], ["--model", "test_plan_cli:tiny_bf16_model"],
+              ["--model", "test_plan_cli:tiny_bf16_model", "--param-dtype", "fp32"])]
+    assert sizes == [4, 2, 4]
+    assert json.loads(run_cli(EXAMPLE + ["--json", "--no-sim"])[1])["inputs"]["param_bytes"] == 4  # fp32 default
 
 
 def test_cli_compute_sample_file(tmp_path):

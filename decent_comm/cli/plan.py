@@ -74,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--params", type=COUNT, help="parameters per replica, e.g. 65M, 1.3B")
     g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
                    help="dtype on the wire: fp32 (default, 4 bytes/param), bf16, fp16 (2), fp8 (1), ...")
-    g.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16", "fp64"), default="fp32",
-                   help="the parameters' dtype (default fp32): group all-reduce steps and the default wire move it")
+    g.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16", "fp64"), default=None,
+                   help="the parameters' dtype (default: the measured model's, else fp32): group all-reduce steps "
+                        "and the default wire move it")
     g.add_argument("--compute", type=DURATION,
                    help="mean forward+backward+update time per step, e.g. 120ms")
     g.add_argument("--compute-std", type=DURATION, default=0.0,
@@ -136,6 +137,9 @@ def _measure(args, notes: list):
                  f" {n_params / 1e6:.3g}M params): mean {units.format_seconds(sum(times) / len(times))}")
     if args.params is None:
         args.params = float(n_params)
+    if args.param_dtype is None:
+        widest = max((p.element_size() for p in model.parameters()), default=4)
+        args.param_dtype = {2: "bf16", 4: "fp32", 8: "fp64"}.get(widest, "fp32")
     if args.compute is None and args.compute_sample is None:
         args.compute_sample = times
     probe = measure.measure_link()
@@ -213,7 +217,7 @@ def build_inputs(args, parser):
                          "allreduce (DDP, which has no 8-bit wire) priced with gradients in the parameters' dtype")
     workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
                         mode=args.mode, bucket_bytes=args.bucket_size, exchange=exchange,
-                        param_bytes=WIRE_DTYPES[args.param_dtype])
+                        param_bytes=WIRE_DTYPES[args.param_dtype or "fp32"])
     return cluster, workload, notes
 
 
