@@ -154,7 +154,7 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     _STATE_NAMES = ("momentum_buffer",)
 
     def _state_names(self, group):
-        return ["momentum_buffer"] if group["momentum"] != 0 else []
+        return list(self._STATE_NAMES) if group["momentum"] != 0 else []
 
     def _prepare_bucket(self, b, group):
         # The kernels start a parameter's momentum buffer at g (not (1 - dampening) g) on its step 0, as torch does the
@@ -205,7 +205,7 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     _STATE_NAMES = _STATE_NEEDED = ("exp_avg", "exp_avg_sq")
 
     def _state_names(self, group):
-        return ["exp_avg", "exp_avg_sq"]
+        return list(self._STATE_NAMES)
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         beta1, beta2 = group["betas"]
@@ -253,9 +253,6 @@ class AccumAdam(_AdamBase):
                          _extra_defaults=dict(accum_steps=int(accum_steps)), **decentralized)
 
     _STATE_NAMES = ("exp_avg", "exp_avg_sq", "accum")
-
-    def _state_names(self, group):
-        return ["exp_avg", "exp_avg_sq", "accum"]
 
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         beta1, beta2 = group["betas"]

@@ -211,7 +211,7 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     by_wire = None
     if fastest_gossip is not None:  # each wire as the optimizers run it (exchange "auto"), whatever the plan's
         topo, by_wire = make_topology(fastest_gossip.name, n, L), {}
-        for wire, b in WIRE_BYTES.items():
+        for wire in WIRE_BYTES:
             b = wire_bytes(wire, workload.param_bytes)
             try:
                 by_wire[wire] = predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo,
