@@ -66,6 +66,13 @@ struct PgSlot final : TransportSlot {
   }
 };
 
+// ProcessGroup::hasBackendForDeviceType is newer than torch 2.11 (the GPU machine's); getDeviceTypes() lists
+// the same set (setBackend fills both) in every torch this builds against.
+bool has_backend_for(const c10d::ProcessGroup& pg, c10::DeviceType device_type) {
+  const auto devices = pg.getDeviceTypes();
+  return std::any_of(devices.begin(), devices.end(), [&](const c10::Device& d) { return d.type() == device_type; });
+}
+
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
   // c10d reads a 0 ms timeout as "no timeout", so never pass less than 1 ms.
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
@@ -75,7 +82,7 @@ std::chrono::milliseconds remaining(Clock::time_point deadline) {
 }  // namespace
 
 std::chrono::milliseconds process_group_timeout(c10d::ProcessGroup& pg, c10::DeviceType device_type) {
-  if (!pg.hasBackendForDeviceType(device_type)) return kBackendDefaultTimeout;
+  if (!has_backend_for(pg, device_type)) return kBackendDefaultTimeout;
   try {
     return pg.getBackend(device_type)->getBackendOptions()->timeout;
   } catch (const std::exception&) {  // a backend that does not implement getBackendOptions()
@@ -86,7 +93,7 @@ std::chrono::milliseconds process_group_timeout(c10d::ProcessGroup& pg, c10::Dev
 ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
     : pg_(std::move(pg)), device_(device), one_(1) {
   TORCH_CHECK_VALUE(pg_, "decent_comm ProcessGroupTransport: process_group is None");
-  TORCH_CHECK_VALUE(pg_->hasBackendForDeviceType(device_.type()), "decent_comm ProcessGroupTransport: process "
+  TORCH_CHECK_VALUE(has_backend_for(*pg_, device_.type()), "decent_comm ProcessGroupTransport: process "
                     "group '", pg_->getGroupName(), "' (backend ", pg_->getBackendName(), ") has no backend for ",
                     device_.type(), " tensors");
   backend_ = pg_->getBackend(device_.type());
