@@ -3,18 +3,38 @@
 # extension in place for the visible GPU only, run every CUDA test (the one-GPU NCCL transport tests must run:
 # a skipped one fails the check, since then NCCL moved no byte), time the kernels and the NCCL transport, and
 # print a compact table last. Budget: under 6 minutes on one H100 from a bare machine.
-#   bash bench/gpu_check.sh             logs, JUnit XML and JSON under ${OUT:-bench/results}
+#   bash bench/gpu_check.sh             the logs, JUnit XML and JSON packed into ${OUT:-bench/results}/gpu_check.tar.gz
 #   DRY_RUN=1 bash bench/gpu_check.sh   no GPU needed: every step on the CPU, small, to check this script
+# Every step runs under a timeout that leaves the summary its time before GPU_CHECK_SECONDS (default 450): a hung
+# test or benchmark costs its step, not the verdict. The device tool returns at most 8 files from $OUT, so the
+# step outputs are written to a scratch folder and packed into one archive on exit, whatever ended the script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
+W="$(mktemp -d)"
+trap 'tar -czf "$OUT_DIR/gpu_check.tar.gz" -C "$W" . && rm -rf "$W"' EXIT
 PY="${PYTHON:-python3}"
 DRY="${DRY_RUN:-0}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 SECONDS=0
+DEADLINE="${GPU_CHECK_SECONDS:-450}"
+SUMMARY_RESERVE=20
 step() { echo "== [${SECONDS} s] $*"; }
+# bounded BUDGET CMD...: CMD under a timeout of BUDGET seconds, or of what is left before the summary's reserve.
+bounded() {
+  local budget=$1 left=$((DEADLINE - SUMMARY_RESERVE - SECONDS))
+  shift
+  if [ "$left" -lt 5 ]; then
+    echo "gpu_check: out of time (${SECONDS} s of ${DEADLINE}): skipped $*"
+    return 124
+  fi
+  timeout -k 5 "$((budget < left ? budget : left))" "$@"
+  local rc=$?
+  [ "$rc" = 124 ] && echo "gpu_check: timed out: $*"
+  return "$rc"
+}
 
 if [ "$DRY" = 1 ]; then
   export DECENT_COMM_CUDA=0
@@ -37,49 +57,51 @@ fi
       torch.cuda.nccl.version() if torch.cuda.is_available() else '-')"
 
 step "build (DECENT_COMM_CUDA=$DECENT_COMM_CUDA, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}, MAX_JOBS=$MAX_JOBS)"
-if ! "$PY" setup.py -q build_ext --inplace > "$OUT_DIR/gpu_build.log" 2>&1; then
-  tail -50 "$OUT_DIR/gpu_build.log"
+if ! bounded 300 "$PY" setup.py -q build_ext --inplace > "$W/gpu_build.log" 2>&1; then
+  grep -E "error|Error" "$W/gpu_build.log" | head -20
+  tail -30 "$W/gpu_build.log"
   echo "gpu_check: FAIL (build)"
   exit 1
 fi
 "$PY" -c "import decent_comm, decent_comm.exchange as e; print('built: cuda kernels', decent_comm._native.built_with_cuda(),
       '| NCCL transport', e.nccl_available(), decent_comm._native.nccl_version())"
 
-step "tests (skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
+step "tests (failures and skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
 # -k matches module names too: all of test_ops_cuda_graph.py (graph capture, the device-scalar path), the cuda
 # cases of the others (opcheck and torch.compile included), and the build report's CUDA dispatch-key check.
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_ops.py tests/test_ops_cuda_graph.py tests/test_ops_bad_input.py \
-  tests/test_int8_codec.py tests/test_dequantizing_mix.py tests/test_optim_local.py tests/test_optim_amp.py \
-  tests/test_build_info.py -k "$TEST_FILTER" \
-  --junitxml "$OUT_DIR/gpu_tests_ops.xml" > "$OUT_DIR/gpu_tests_ops.log" 2>&1
-tail -4 "$OUT_DIR/gpu_tests_ops.log"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_exchange_nccl.py \
-  --junitxml "$OUT_DIR/gpu_tests_nccl.xml" > "$OUT_DIR/gpu_tests_nccl.log" 2>&1
-grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT_DIR/gpu_tests_nccl.log" | cut -c1-220
-tail -1 "$OUT_DIR/gpu_tests_nccl.log"
+# -rfEs: pytest's summary names failures and errors as well as skips (-rs alone would drop the FAILED lines).
+bounded 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 120 tests/test_ops.py tests/test_ops_cuda_graph.py \
+  tests/test_ops_bad_input.py tests/test_int8_codec.py tests/test_dequantizing_mix.py tests/test_optim_local.py \
+  tests/test_optim_amp.py tests/test_build_info.py -k "$TEST_FILTER" \
+  --junitxml "$W/gpu_tests_ops.xml" > "$W/gpu_tests_ops.log" 2>&1
+tail -4 "$W/gpu_tests_ops.log"
+bounded 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 60 tests/test_exchange_nccl.py \
+  --junitxml "$W/gpu_tests_nccl.xml" > "$W/gpu_tests_nccl.log" 2>&1
+grep -E "^(FAILED|ERROR|SKIPPED)" "$W/gpu_tests_nccl.log" | cut -c1-220
+tail -1 "$W/gpu_tests_nccl.log"
 
 step "kernel benchmark ($SIZES elements; a failing competitor is left out, not fatal)"
 # shellcheck disable=SC2086
-"$PY" bench/mix_kernels.py --device "$DEVICE" --sizes "$SIZES" $BENCH_ARGS \
-  --json "$OUT_DIR/mix_kernels_$DEVICE.json" > "$OUT_DIR/gpu_bench.log" 2>&1 || tail -20 "$OUT_DIR/gpu_bench.log"
-grep -F "left out" "$OUT_DIR/gpu_bench.log"
+bounded 60 "$PY" bench/mix_kernels.py --device "$DEVICE" --sizes "$SIZES" $BENCH_ARGS \
+  --json "$W/mix_kernels_$DEVICE.json" > "$W/gpu_bench.log" 2>&1 || tail -20 "$W/gpu_bench.log"
+grep -F "left out" "$W/gpu_bench.log"
 # shellcheck disable=SC2086
-"$PY" bench/int8_codec.py --device "$DEVICE" --sizes "$SIZES" --threads 1 $BENCH_ARGS \
-  --json "$OUT_DIR/int8_codec_$DEVICE.json" > "$OUT_DIR/gpu_codec.log" 2>&1 || tail -20 "$OUT_DIR/gpu_codec.log"
-grep -E "^\| (encode|decode)" "$OUT_DIR/gpu_codec.log"
+bounded 45 "$PY" bench/int8_codec.py --device "$DEVICE" --sizes "$SIZES" --threads 1 $BENCH_ARGS \
+  --json "$W/int8_codec_$DEVICE.json" > "$W/gpu_codec.log" 2>&1 || tail -20 "$W/gpu_codec.log"
+grep -E "^\| (encode|decode)" "$W/gpu_codec.log"
 
 step "NCCL transport benchmark (self-exchange)"
-rm -f "$OUT_DIR/exchange_nccl_self.json"
 if [ "$DRY" = 1 ]; then
   echo "skipped (dry run)"
 else
-  "$PY" bench/exchange.py --nccl-self --json "$OUT_DIR/exchange_nccl_self.json" > "$OUT_DIR/gpu_exchange.log" 2>&1 \
-    || tail -20 "$OUT_DIR/gpu_exchange.log"
+  bounded 45 "$PY" bench/exchange.py --nccl-self --json "$W/exchange_nccl_self.json" > "$W/gpu_exchange.log" 2>&1 \
+    || tail -20 "$W/gpu_exchange.log"
 fi
 
 step "summary"
-"$PY" bench/gpu_check_summary.py --junit "$OUT_DIR/gpu_tests_ops.xml" "$OUT_DIR/gpu_tests_nccl.xml" \
-  --mix "$OUT_DIR/mix_kernels_$DEVICE.json" --exchange "$OUT_DIR/exchange_nccl_self.json" --sizes "$SIZES"
+"$PY" bench/gpu_check_summary.py --junit "$W/gpu_tests_ops.xml" "$W/gpu_tests_nccl.xml" \
+  --mix "$W/mix_kernels_$DEVICE.json" --exchange "$W/exchange_nccl_self.json" --sizes "$SIZES" \
+  | tee "$W/gpu_check_summary.txt"
 status=$?
 echo "gpu_check: GPU verdict (exit $status) after ${SECONDS} s"
 
@@ -87,15 +109,16 @@ echo "gpu_check: GPU verdict (exit $status) after ${SECONDS} s"
 step "the CPU loops on this host (issue #19: AVX-512 and AVX2 on another host CPU, e.g. an Intel Xeon)"
 ISA="$("$PY" -c "from decent_comm import _native; print(_native.cpu_isa())")"
 echo "decent_comm CPU loops: $ISA"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cpu_dispatch.py > "$OUT_DIR/cpu_dispatch_tests.log" 2>&1
-tail -1 "$OUT_DIR/cpu_dispatch_tests.log"
+SUMMARY_RESERVE=0
+bounded 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cpu_dispatch.py > "$W/cpu_dispatch_tests.log" 2>&1
+tail -1 "$W/cpu_dispatch_tests.log"
 if [ "$ISA" = avx512 ] || [ "$DRY" = 1 ]; then
   for isa in "$ISA" avx2; do  # same run, same sizes: the AVX-512 loops against the AVX2 ones, both against torch
-    DECENT_COMM_CPU_ISA=$isa timeout 90 "$PY" bench/mix_kernels.py --device cpu --quick --sizes "${SIZES%%,*}" \
-      --threads 1 --only mix --repeats 3 --json "$OUT_DIR/mix_kernels_cpu_$isa.json" > "$OUT_DIR/cpu_bench_$isa.log" 2>&1
-    echo "$isa:"; grep -E "^\| gossip_mix_" "$OUT_DIR/cpu_bench_$isa.log" | cut -c1-90
+    DECENT_COMM_CPU_ISA=$isa bounded 90 "$PY" bench/mix_kernels.py --device cpu --quick --sizes "${SIZES%%,*}" \
+      --threads 1 --only mix --repeats 3 --json "$W/mix_kernels_cpu_$isa.json" > "$W/cpu_bench_$isa.log" 2>&1
+    echo "$isa:"; grep -E "^\| gossip_mix_" "$W/cpu_bench_$isa.log" | cut -c1-90
   done
 fi
 
-echo "gpu_check: ${SECONDS} s in all"
+echo "gpu_check: ${SECONDS} s in all (outputs: $OUT_DIR/gpu_check.tar.gz)"
 exit $status
