@@ -26,9 +26,10 @@ from ..exchange import MAX_BUCKETS
 from . import amp, diagnostics
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
-from .buckets import (Bucket, build_buckets, clip_grad_norm, count_on_device, count_steps, gather_grads, refine_classes,
-                      check_unwritten, note_in_flight, segments, spread_count, written, zero_grads)
+from .buckets import (Bucket, build_buckets, count_on_device, count_steps, refine_classes, check_unwritten,
+                      note_in_flight, segments, spread_count, written)
 from .checkpointing import StateDictMixin
+from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
@@ -201,9 +202,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             with torch.enable_grad():
                 loss = closure()
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
-            for b in self._buckets:
-                gather_grads(b, self._takes_sparse(b), before_copy=self._schedule.complete_transfers,
-                             siblings=self._buckets)
+            gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
             self._schedule.average_gradients(self._schedule.t, found_inf)
             self._amp, skip_update = self._amp_for_step(found_inf)
@@ -334,8 +333,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     # ------------------------------------------------------------------------------------------ grad utils
 
     def zero_grad(self, set_to_none: bool = True):
-        for b in self._buckets:
-            zero_grads(b, set_to_none)
+        zero_grads(self._buckets, set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Local gradient-norm clipping over the flat gradient buffers (torch.nn.utils.clip_grad_norm_

@@ -113,8 +113,9 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
                                  "laid out from the parameters' sizes")
             seen.add(id(p))
             if p.is_sparse or not p.is_floating_point():
-                raise ValueError(f"decentralized optimizers need dense floating-point parameters, got {p.dtype}"
-                                 f"{' sparse' if p.is_sparse else ''} of shape {tuple(p.shape)}")
+                raise ValueError(f"decentralized optimizers need dense real floating-point parameters, got {p.dtype}"
+                                 f"{' sparse' if p.is_sparse else ''} of shape {tuple(p.shape)} in param group {gi}"
+                                 f"{'' if p.requires_grad else ' (it needs no gradient: leave such tensors, e.g. quantized weights, out of the params, as [p for p in model.parameters() if p.requires_grad] does)'}")
             key = (p.device, p.dtype)
             b = open_buckets.get(key)
             size = _aligned(p.numel(), p.element_size())
@@ -210,38 +211,6 @@ class Segment:
     last: int
 
 
-def gather_grads(b: Bucket, sparse_ok: bool = False, before_copy: Optional[Callable[[], None]] = None,
-                 siblings: Sequence[Bucket] = ()) -> None:
-    """Makes the flat gradient buffer hold every parameter's current .grad.
-
-    A .grad that is already our view costs nothing; one that user code replaced (or that autograd
-    allocated after zero_grad(set_to_none=True)) is copied in, and .grad is pointed back at the view. A sparse
-    gradient is densified when `sparse_ok` (the update is the same as from its dense form), else refused.
-    A parameter whose storage is no longer its bucket's is taken back or refused first (adopt_storage).
-    """
-    adopt_storage(b, before_copy, siblings)
-    with torch.no_grad():
-        for i, s in enumerate(b.slots):
-            g = s.param.grad
-            if g is None:
-                continue
-            view = b.view(b.grad, s)
-            if g.is_sparse:
-                if not sparse_ok:
-                    raise RuntimeError(f"decent_comm: this optimizer does not support sparse gradients (parameter {i}"
-                                       f" of bucket {b.index}, shape {tuple(s.param.shape)}), as torch.optim.Adam(W) "
-                                       "does not, nor SGD or Adagrad with weight_decay; use dense gradients (e.g. "
-                                       "nn.Embedding(sparse=False)) or DSGD without weight decay")
-                g = g.to_dense()
-            elif g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.stride() == view.stride():
-                continue
-            if g.shape != s.param.shape:
-                raise RuntimeError(f"decent_comm: parameter {i} of bucket {b.index}: its gradient has shape "
-                                   f"{tuple(g.shape)} but the parameter has {tuple(s.param.shape)}")
-            view.copy_(g)
-            s.param.grad = view
-
-
 @torch.no_grad()
 def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
                   siblings: Sequence[Bucket] = ()) -> None:
@@ -272,13 +241,21 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
                 view.copy_(p.detach())
                 p.data = view
             continue
-        raise RuntimeError(
-            f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} of shape "
-            f"{tuple(p.shape)}, where the optimizer's buffer holds {b.dtype} of shape {s.shape} on {b.device}: the "
-            "model was converted, moved, resized or reshaped (model.to(...), .cuda(), .half()) after the optimizer was "
-            "built. Build "
-            "the optimizer after moving the model (as with DDP), or build a new one and load the old one's "
-            "state_dict().")
+        raise converted(b, i)
+
+
+def converted(b: Bucket, i: int) -> Optional[RuntimeError]:
+    """The error for slot i's parameter when it is no longer of its bucket's dtype, device and shape (None when it
+    is)."""
+    p, s = b.slots[i].param, b.slots[i]
+    if p.dtype == b.dtype and p.device == b.device and tuple(p.shape) == s.shape:
+        return None
+    return RuntimeError(
+        f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} of shape "
+        f"{tuple(p.shape)}, where the optimizer's buffer holds {b.dtype} of shape {s.shape} on {b.device}: the "
+        "model was converted, moved, resized or reshaped (model.to(...), .cuda(), .half()) after the optimizer was "
+        "built. Build the optimizer after moving the model (as with DDP), or build a new one and load the old one's "
+        "state_dict().")
 
 
 def segments(b: Bucket, steps: List[int]) -> List[Segment]:
@@ -302,18 +279,6 @@ def segments(b: Bucket, steps: List[int]) -> List[Segment]:
         out[0].start = 0
         out[-1].stop = b.numel
     return out
-
-
-def zero_grads(b: Bucket, set_to_none: bool) -> None:
-    """zero_grad for one bucket: one fill of the flat buffer instead of a kernel per parameter."""
-    if set_to_none:
-        for s in b.slots:
-            s.param.grad = None
-    else:
-        b.grad.zero_()
-        for s in b.slots:
-            if s.param.grad is not None:
-                s.param.grad = b.view(b.grad, s)
 
 
 def count_steps(b: Bucket) -> None:
@@ -357,22 +322,3 @@ def spread_count(b: Bucket, seg: Segment) -> None:
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:
     """id(param) -> (bucket, slot index)."""
     return {id(s.param): (b, i) for b in buckets for i, s in enumerate(b.slots)}
-
-
-@torch.no_grad()
-def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
-                   sparse_ok: Callable[[Bucket], bool]) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored)."""
-    norms = []
-    for b in buckets:
-        gather_grads(b, sparse_ok(b), siblings=buckets)
-        for seg in segments(b, [0] * len(b.slots)):
-            if seg.has_grad:
-                norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
-    if not norms:
-        return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for b in buckets:
-        b.grad.mul_(coef.to(b.grad.device, b.grad.dtype))
-    return total
