@@ -103,10 +103,12 @@ def test_a_launchers_job_without_a_process_group_is_refused(monkeypatch):
         with pytest.raises(RuntimeError, match=f"not initialized, but WORLD_SIZE={world.strip()} .*init_process_group"):
             decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), topology="aer")
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process that inherited a launcher's LOCAL_WORLD_SIZE: as torch's
-    lin = torch.nn.Linear(2, 2)
-    opt = decent_comm.DAdamW(lin.parameters(), topology="aer")
-    lin(torch.ones(1, 2)).sum().backward()
-    opt.step()
+    for local in ("2", "x"):  # whatever its value: not this process's (a malformed one was refused)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        lin = torch.nn.Linear(2, 2)
+        opt = decent_comm.DAdamW(lin.parameters(), topology="aer")
+        lin(torch.ones(1, 2)).sum().backward()
+        opt.step()
 
 
 def test_model_converted_after_construction_is_named():

@@ -87,14 +87,12 @@ def local_world_size_from_env(process_group=None):
     3 ranks of 2 nodes of 2, a last node with fewer ranks) counts every rank as its own node, so each link is taken
     for a node link."""
     env = os.environ.get("LOCAL_WORLD_SIZE")
-    if not env:
-        return None
+    if not env or not (dist.is_available() and dist.is_initialized()):
+        return None  # one process (distributed_context): a LOCAL_WORLD_SIZE inherited from a launcher is not its own
     try:
         value = int(env)
     except ValueError:
         raise ValueError(f"LOCAL_WORLD_SIZE={env!r} (environment) is not an integer") from None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None  # one process (distributed_context): a LOCAL_WORLD_SIZE inherited from a launcher is not its
     if value < 1:
         return value
     members = dist.get_process_group_ranks(process_group or dist.group.WORLD)
