@@ -90,10 +90,10 @@ def _wire(copies, payloads, payload_offset, payload_block):
     """The schema's copies, payloads, payload_offset, payload_block."""
     if (copies is None) != (payloads is None):
         raise ValueError("pass copies and payloads together (one payload per copy), or neither")
-    if copies is None:
+    offset, block = _int64("payload_offset", payload_offset), _int64("payload_block", payload_block)
+    if copies is None:  # checked all the same: a bad value is a bug in the caller whether or not a wire is used
         return None, None, 0, 512
-    return (list(copies), list(payloads), _int64("payload_offset", payload_offset),
-            _int64("payload_block", payload_block))
+    return list(copies), list(payloads), offset, block
 
 
 def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight: float,

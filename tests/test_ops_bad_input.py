@@ -248,6 +248,12 @@ def test_steps_that_are_no_int64_are_refused_in_python(op, step, pattern):
     assert_refused(op, {**operands(op), "step": step}, pattern, ValueError)
 
 
+@pytest.mark.parametrize("name,value,pattern", [("payload_offset", "x", r"payload_offset must be an integer"),
+                                                ("payload_block", 1.5, r"payload_block must be an integer")])
+def test_wire_arguments_that_are_no_int64_are_refused_without_a_wire_too(name, value, pattern):
+    assert_refused("mix", {**operands("mix"), name: value}, pattern, ValueError)
+
+
 def test_accum_steps_beyond_int64_is_refused():
     assert_refused("accum", {**operands("accum"), "accum_steps": 2 ** 64}, r"accum_steps must fit in int64", ValueError)
 
