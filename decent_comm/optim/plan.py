@@ -205,3 +205,28 @@ def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optiona
     recv = [r for r, _ in peers.recv]
     weights = [a * w for _, w in peers.recv]
     return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a, topo_step=topo_step)
+
+
+def check_mix_width(topology: Topology, rank: int, world_size: int, groups: Optional[GroupSteps], extra: int,
+                    limit: int) -> None:
+    """Refuses a schedule whose mix would read more than `limit` buffers in one call of the fused kernels
+    (ops.MAX_NEIGHBORS): a rank's in-neighbours of a point-to-point step plus `extra` (1: the own copy that the
+    8-bit wire's and delayed_mix's mix reads too); a group step reads one sum. At construction, with what to do,
+    instead of at the first step. Every rank's row is checked, so all ranks refuse together, unless the schedule is
+    too long to scan (period * world_size > MAX_SCAN): then this rank's own."""
+    if world_size - 1 + extra <= limit:
+        return
+    parts = topology.candidates if isinstance(topology, Adaptive) else [topology]
+    for i, topo in enumerate(parts):
+        table = groups.tables[i] if groups is not None else {}
+        ranks = range(world_size) if topo.period * world_size <= MAX_SCAN else [rank]
+        for t in range(topo.period):
+            grouped = {r for g in table.get(t, ()) for r in g}
+            for r in ranks:
+                width = (1 if r in grouped else len(topo.peers(r, t).recv)) + extra
+                if width > limit:
+                    raise ValueError(
+                        f"topology {topo.name!r}: rank {r} mixes {width - extra} neighbours at step {t}"
+                        f"{' and its own public copy' if extra else ''}, but one mix reads at most {limit} buffers: "
+                        "use a sparser topology, or exchange='auto' where the step averages in groups (complete runs "
+                        "as one all-reduce; the 8-bit wire is point to point only)")

@@ -35,7 +35,7 @@ from .buckets import check_unwritten, note_landed, written
 from .diagnostics import DisagreementMeter, log_setup
 from .int8_wire import Int8Wire
 from .mix_hooks import MixBeforeUse
-from .plan import Cadence, GroupSteps, MixInputs, MixPlan, consensus_factor, mix_plan
+from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
 from .tracing import traced
@@ -84,6 +84,8 @@ class GossipSchedule(ScheduleCheckpoint):
             # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
             log.info("decent_comm: group all-reduce needs the default process group; gossip stays point to point")
             self.groups = None
+        check_mix_width(topology, rank, world_size, self.groups, int(self.wire is not None or cadence.delayed_mix),
+                        ops.MAX_NEIGHBORS)
         self.exchange = None
         if world_size > 1:
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
