@@ -7,7 +7,7 @@ Runs examples/train_lm.py three times with torchrun (python -m torch.distributed
   dadamw       decent_comm.DAdamW on one-peer-exp (one neighbour per step) at sqrt(nproc) x --lr
                (decent_comm.decentralized_adam_hparams says why)
   accumadamw   decent_comm.AccumAdamW on aer, emulating 2 nodes x 2 ranks (--local-world-size 2), at
-               sqrt(nproc / 4) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.decentralized_adam_flags)
+               sqrt(max(1, nproc / 4)) x --lr with per-window betas (0.9^4, 0.999^4) (lm_runs.decentralized_adam_flags)
 
 The decentralized runs use --mode (default atc: each rank's local step is mixed with its neighbours' before the
 next forward, with the exchange overlapping that forward; at equal steps it trains as well as all-reduce, awc
@@ -19,8 +19,8 @@ all-reduce, writes the table to OUT/results.md and all three loss curves to OUT/
 Then the point of the product, when network namespaces can be made (root): a small emulated cluster (4 nodes, 50
 Mbit links, bench/time_to_target.py) races DDP against periodic averaging and the configuration the README
 recommends (CLUSTER_CONFIGS), and writes the validation loss against wall time to OUT/cluster.png. Without root it
-prints the command that runs it. Sized to finish in under 10 minutes on a 2-core machine; the flags below trade
-time for fidelity.
+prints the bench/time_to_target.py command that runs that race (its full size, also under --quick). Sized to
+finish in under 10 minutes on a 2-core machine; the flags below trade time for fidelity.
 """
 
 import argparse
@@ -43,7 +43,9 @@ ACCUM_STEPS = 4
 # The cluster race: DDP's 200 steps set the target (its final loss x 1.02); periodic averaging every 8 steps is what
 # torch's PostLocalSGDOptimizer offers; the last is the README's recommendation for slow links.
 CLUSTER_CONFIGS = "ddp/s200;periodic8/s300;one-peer-hypercube/awc/int8/s250"
-CLUSTER_COMMAND = "sudo .venv/bin/python bench/time_to_target.py --quick"
+# what the race below runs (without --quick), for a user to run as root; {seed}: --seed
+CLUSTER_COMMAND = ("sudo .venv/bin/python bench/time_to_target.py --layouts 4x1 --links comm --seeds {seed} "
+                   f"--configs '{CLUSTER_CONFIGS}'")
 
 
 def runs(args):
@@ -123,7 +125,7 @@ def cluster_race(args):
     why = "--no-cluster" if args.no_cluster else netns_unavailable_reason()
     if why is not None:
         print(f"\nThe emulated-cluster race (time to DDP's loss on slow links) needs network namespaces ({why}): "
-              f"{CLUSTER_COMMAND}")
+              f"{CLUSTER_COMMAND.format(seed=args.seed)}")
         return
     steps = ["--configs", "ddp/s20;periodic8/s30;one-peer-hypercube/awc/int8/s30", "--eval-every", "10"] \
         if args.quick else ["--configs", CLUSTER_CONFIGS]
