@@ -148,3 +148,17 @@ def test_consensus_callable_call_count_as_documented():
     assert stated == len(startup._CONSENSUS_COMPARED_AT) + 1
     assert run_ranks(_count_consensus_calls, 2, timeout=120) == [stated, stated]
     assert _count_consensus_calls(0, 1) == 1
+
+
+def test_the_test_extra_has_what_requirements_dev_installs():
+    """pip install .[test] gets what `make` installs from requirements-dev.txt (psutil for the leak tests, the
+    decent_train harness's scikit-learn, tqdm and matplotlib), less what the project already depends on or builds
+    with."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    def names(specs):
+        return {re.split(r"[<>=!~ \[;]", spec.strip(), maxsplit=1)[0].lower() for spec in specs if spec.strip()}
+    dev = names(line.split("#")[0] for line in read("requirements-dev.txt").splitlines())
+    already = names(project["project"]["dependencies"] + project["build-system"]["requires"])
+    assert dev - already <= names(project["project"]["optional-dependencies"]["test"]), dev - already
