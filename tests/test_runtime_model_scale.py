@@ -14,7 +14,7 @@ from decent_comm.runtime_model import planner as planner_mod
 from decent_comm.runtime_model.closed_form import make_topology
 from decent_comm.runtime_model.hardware import MAX_WORLD_SIZE
 from decent_comm.runtime_model.loads import links_from_groups, links_from_messages, schedule_of
-from decent_comm.runtime_model.messages import MAX_MESSAGES, known_groups, step_builder
+from decent_comm.runtime_model.messages import MAX_MESSAGES, TooManyMessages, known_groups, step_builder
 from decent_comm.runtime_model.mixing import sparse_gap_per_step
 from decent_comm.topology.builtins import OnePeerExponential
 
@@ -168,7 +168,9 @@ def test_plan_of_16k_ranks():
 
 
 def test_complete_on_100k_ranks_is_one_group_allreduce():
-    c, w = cluster(12500, 8), work(mu=0.12, sd=0.0)
+    """As the seed library runs it (group-allreduce): decent_comm's optimizers look for averaging groups only up to
+    65,536 ranks x steps, so under exchange auto they refuse it (tests/test_runtime_model_mix_width.py)."""
+    c, w = cluster(12500, 8), work(mu=0.12, sd=0.0, exchange="group-allreduce")
     B, N, L, k = w.bytes_per_rank, 12500, 8, w.buckets  # one all-reduce per bucket
     c_g = (2 * (L - 1) / L * B / c.intra_bandwidth + k * 2 * (L - 1) * c.intra_latency
            + 2 * (N - 1) / N * B / c.inter_bandwidth + k * 2 * (N - 1) * c.inter_latency)
@@ -177,9 +179,11 @@ def test_complete_on_100k_ranks_is_one_group_allreduce():
     assert time.process_time() - t0 < 60
     assert p.candidate("complete").prediction.step_seconds == pytest.approx(max(0.12, c_g), rel=1e-12)
     assert p.candidate("complete").gap_per_step == 1.0
-    # the 8-bit wire's recipes would run complete point to point (10^10 messages a step): not priced, and said so
-    assert not any(q.kind.wire == "int8" for q in p.quality)
+    # the recipes run as the optimizers do, point to point here (10^10 messages a step): not priced, and said so
+    assert not any(q.kind.family == "gossip" for q in p.quality)
     assert any("int8 wire recipes not priced on complete" in note for note in p.notes)
+    p = plan(c, w.with_(exchange="auto"), ["complete"])
+    assert [x.name for x in p.candidates] == ["allreduce"] and "period x ranks" in dict(p.skipped)["complete"]
 
 
 def test_dense_point_to_point_is_skipped_not_built():
@@ -187,7 +191,10 @@ def test_dense_point_to_point_is_skipped_not_built():
     assert n * (n - 1) > MAX_MESSAGES
     p = plan(cluster(1025, 4), work(exchange="p2p"), ["complete", "ring"], run_simulation=False)
     assert [x.name for x in p.candidates] == ["allreduce", "ring"]
-    assert p.skipped[0][0] == "complete" and "messages per step" in p.skipped[0][1]
+    # 4099 neighbours a mix: the optimizers refuse it, so the plan skips it before counting its messages
+    assert p.skipped[0][0] == "complete" and "refuse it" in p.skipped[0][1]
+    with pytest.raises(TooManyMessages, match="messages per step"):
+        predict(cluster(1025, 4), work(exchange="p2p"), "complete")
 
 
 def test_simulation_steps_are_bounded(monkeypatch):

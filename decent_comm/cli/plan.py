@@ -43,7 +43,10 @@ allreduce and the topologies whose spectral gap per step is >= --gap-threshold
 (sparser graphs average slower per step, so they may need more steps to reach
 the same loss); if none reaches it, all topologies compete.  When a candidate
 would exceed the simulation budget (large clusters), nothing is simulated and
-the comparison is closed form.  At most {MAX_WORLD_SIZE} ranks (--nodes x
+the comparison is closed form.  A candidate decent_comm's optimizers would
+refuse (a mix of more than 32 buffers: complete point to point on 34+ ranks,
+over the int8 wire on 33+) is skipped with the reason, and so are such
+time-to-loss recipes.  At most {MAX_WORLD_SIZE} ranks (--nodes x
 --gpus-per-node).
 
 --json prints one object: one entry per candidate name ("allreduce" and each

@@ -22,9 +22,15 @@ their predicted time to All-Reduce's loss, step time x a measured steps multipli
 **Bounded work.**  A simulation runs fewer steps when ``steps x work`` exceeds
 ``MAX_SIM_WORK`` (down to 4 periods + 20); when even that would cost more than
 ``MAX_SIM_COST`` for some candidate (large clusters), nothing is simulated and
-every candidate is compared by its closed form (a note says so).  A
-point-to-point step with more than ``messages.MAX_MESSAGES`` messages (complete
-on thousands of ranks with ``exchange="p2p"``) skips that candidate.
+every candidate is compared by its closed form (a note says so).
+
+**What the optimizers refuse.**  A candidate whose mix reads more buffers than
+the fused kernels take in one call (``mix_width``: more than 32 in-neighbours
+on a point-to-point step, 31 with the 8-bit wire; complete point to point on
+34+ ranks) is skipped with the reason, before it is priced (so no step of a
+candidate reaches ``messages.MAX_MESSAGES``), and no time-to-quality recipe is
+priced that the optimizers would refuse (a wire's, delayed_mix's, or periodic
+averaging's, which runs complete: with a note).
 
 Default candidates: one-peer-exp, one-peer-hypercube (only when the number of
 ranks is a power of two), exp, ring, aer and aer-pair (only when the number of
@@ -41,9 +47,9 @@ from .. import topology as _topology
 from .closed_form import Prediction, make_topology, predict_allreduce, predict_gossip
 from .gossip import workload_step_groups
 from .loads import schedule_of
-from .messages import TooManyMessages
+from .mix_width import MixTooWide, check_mix_width
 from .mixing import sparse_gap_per_step
-from .quality import WIRE_BYTES, price, wire_bytes
+from .quality import RECIPES, WIRE_BYTES, price, wire_bytes
 from .simulator import SimResult, simulate, simulate_allreduce
 
 DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
@@ -174,8 +180,9 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
         seen.add(name)
         try:
             topo = make_topology(name, n, L)
+            check_mix_width(workload, topo)  # before pricing: complete point to point builds n (n - 1) messages
             gossip.append((name, topo, predict_gossip(cluster, workload, topo, ar_workload)))
-        except ValueError as e:  # cannot be built for this cluster, or too dense (TooManyMessages)
+        except ValueError as e:  # cannot be built for this cluster, too dense (TooManyMessages), refused (MixTooWide)
             skipped.append((name, str(e)))
     sims = _simulate_all(cluster, workload, ar_workload, gossip, simulate_steps, warmup, seed, notes) \
         if run_simulation else {}
@@ -208,22 +215,41 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     # The steps multipliers were measured on one-peer graphs: price the fastest of those when there is one.
     priced = [c for c in eligible if c.name.startswith("one-peer")] or eligible
     fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
-    by_wire = None
-    if fastest_gossip is not None:  # each wire as the optimizers run it (exchange "auto"), whatever the plan's
-        topo, by_wire = make_topology(fastest_gossip.name, n, L), {}
-        for wire in WIRE_BYTES:
-            b = wire_bytes(wire, workload.param_bytes)
-            try:
-                by_wire[wire] = predict_gossip(cluster, workload.with_(bytes_per_param=b, exchange="auto"), topo,
-                                               ar_workload)
-            except TooManyMessages:  # complete on 100k ranks over the 8-bit wire (point to point): unpriced
-                by_wire[wire] = None
-                notes.append(f"{wire} wire recipes not priced on {fastest_gossip.name}: that wire runs it point to "
-                             f"point, more messages per step than the model handles")
+    by_wire, refused = (None, []) if fastest_gossip is None else \
+        _price_wires(cluster, workload, ar_workload, make_topology(fastest_gossip.name, n, L), notes)
+    try:  # periodic averaging is complete (atc, gossip_every=k): point to point, refused, beyond the group scan
+        check_mix_width(workload.with_(bytes_per_param=workload.param_bytes, exchange="auto"),
+                        make_topology("complete", n, L))
+    except MixTooWide as e:
+        refused.extend((k.family, k.wire, k.delayed_mix) for k in RECIPES if k.family == "periodic")
+        notes.append(f"periodic averaging recipes not listed: {e}")
     quality = price(ar_pred, by_wire, workload.compute.mean, ar_workload.bytes_per_param,
-                    workload.compute.forward_fraction, param_bytes=workload.param_bytes)
+                    workload.compute.forward_fraction, param_bytes=workload.param_bytes, refused=refused)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
+
+
+def _price_wires(cluster, workload, ar_workload, topo, notes: list) -> tuple:
+    """``({wire: Prediction or None}, refused ("gossip", wire, delayed_mix))`` of the gossip recipes on ``topo``, each
+    wire as the optimizers run it (exchange "auto"), whatever the plan's; a recipe the optimizers would refuse
+    (``mix_width``) is left unpriced, with a note. What they accept has at most 32 messages per rank and step,
+    below ``messages.MAX_MESSAGES`` on every cluster the model takes."""
+    by_wire, refused = {}, []
+    for wire in WIRE_BYTES:
+        wire_workload = workload.with_(bytes_per_param=wire_bytes(wire, workload.param_bytes), exchange="auto")
+        by_wire[wire] = None
+        try:
+            check_mix_width(wire_workload, topo)
+            by_wire[wire] = predict_gossip(cluster, wire_workload, topo, ar_workload)
+        except MixTooWide as e:  # the 8-bit wire runs complete point to point: 33+ ranks read too many buffers
+            notes.append(f"{wire} wire recipes not priced on {topo.name}: {e}")
+        if by_wire[wire] is not None and any(k.delayed_mix and k.wire == wire for k in RECIPES):
+            try:  # delayed_mix reads the rank's own copy too: one buffer fewer for neighbours
+                check_mix_width(wire_workload, topo, delayed_mix=True)
+            except MixTooWide as e:
+                refused.append(("gossip", wire, True))
+                notes.append(f"{wire} wire recipes with delayed_mix not priced on {topo.name}: {e}")
+    return by_wire, refused
 
 
 def _simulate_all(cluster, workload, ar_workload, gossip, steps: int, warmup: int, seed: int, notes: list) -> dict:

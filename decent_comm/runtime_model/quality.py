@@ -106,17 +106,20 @@ def wire_bytes(wire: str, param_bytes: float = 4) -> float:
 
 
 def price(allreduce, gossip: Optional[Dict[str, object]], compute: float, allreduce_bytes_per_param: float,
-          forward_fraction: float, param_bytes: float = 4) -> List[Priced]:
+          forward_fraction: float, param_bytes: float = 4, refused=()) -> List[Priced]:
     """Every recipe, cheapest time to All-Reduce's loss first. `allreduce`: its ``Prediction``, made for
     `allreduce_bytes_per_param` (periodic averaging all-reduces the parameters: rescaled from it); `gossip`:
     per wire of WIRE_BYTES, the ``Prediction`` of the topology gossip recipes use over that wire (what the step
     moves depends on the wire, not only its bytes: the 8-bit wire never groups, a bf16 wire's group steps sum
     float32; None: that wire's recipes are not priced), or None (only All-Reduce and periodic averaging); `compute`:
     the mean compute time per step, `forward_fraction` its forward's share; `param_bytes`: the parameters' bytes per
-    element (periodic averaging all-reduces them in their dtype)."""
+    element (periodic averaging all-reduces them in their dtype); `refused`: ``(family, wire, delayed_mix)`` of the
+    recipes the optimizers would refuse on their topology (``mix_width``): left out."""
     ar_step = allreduce.step_seconds
     out = []
     for kind in RECIPES:
+        if (kind.family, kind.wire, kind.delayed_mix) in refused:
+            continue
         if kind.family == "allreduce":
             step, topo = ar_step, None
         elif kind.family == "periodic":
