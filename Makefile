@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export MAX_JOBS
 
-.PHONY: all venv importable build test test-cuda-emulation demo bench cmake-build clean
+.PHONY: all venv importable build test test-cuda-emulation check-torch-headers demo bench cmake-build clean
 
 all: build
 
@@ -46,6 +46,13 @@ test: build
 
 test-cuda-emulation: $(STAMP)
 	$(VPY) tests/cuda_emulation/run.py
+
+# Every host C++ file compiled (syntax only, CUDA and NCCL parts included) against the GPU machine's torch headers
+# (TORCH_HEADERS, default 2.11.0; the wheel is fetched once from the package registry): an API newer than that
+# torch fails here instead of in bench/gpu_check.sh on the lent GPU.
+TORCH_HEADERS ?= 2.11.0
+check-torch-headers: $(STAMP)
+	$(VPY) build_tools/check_torch_headers.py --torch $(TORCH_HEADERS) --jobs $(MAX_JOBS)
 
 # 4 local CPU ranks: all-reduce vs DAdamW (one-peer-exp) vs AccumAdamW (aer, 2 emulated nodes); table + plot.
 demo: build

@@ -7,7 +7,6 @@ compile CUDA without a GPU); DECENT_COMM_CUDA=0|1 forces either way.
     pip install --no-build-isolation -e .        # or: python setup.py build_ext --inplace
 """
 
-import glob
 import os
 import sys
 
@@ -15,7 +14,7 @@ from setuptools import find_packages, setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_tools.cuda_home import find_cuda_home  # noqa: E402
-from build_tools import kernel_choice  # noqa: E402
+from build_tools import flags, kernel_choice  # noqa: E402
 from build_tools.nccl import find_nccl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -42,19 +41,9 @@ def want_cuda():
     return kernel_choice.want_cuda(os.environ, have, found, torch.cuda.is_available)
 
 
-def cxx_std_flag():
-    # torch 2.14 headers need C++20; older torch (>= 2.4) builds fine with it too.
-    return "-std=c++20"
-
-
 def build_extension():
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/comm/*.cpp"))
-    # -fopenmp: at::parallel_for is inline header code that only runs in parallel when compiled with OpenMP.
-    # -ffp-contract=off: the 8-bit wire's copies must be bit-identical on every rank (int8_codec_math.h); a user's
-    # -march with FMA would otherwise let g++ fuse their multiply-adds. -fno-trapping-math: no code here reads the
-    # floating-point exception flags, and without it g++ keeps the codec's clamps and maxima as branches (scalar).
-    cxx_flags = [cxx_std_flag(), "-O3", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-Wall",
-                 "-Wno-unknown-pragmas"]
+    sources = flags.host_sources("", cuda=False, nccl=False)
+    cxx_flags = list(flags.CXX_FLAGS)
     # Python's sysconfig adds -g: debug info for every torch header each file includes more than doubles the
     # compile time (op_call.cpp: 43 s with it, 16 s without). DECENT_COMM_DEBUG=1 keeps it.
     if os.environ.get("DECENT_COMM_DEBUG") != "1":
@@ -78,19 +67,18 @@ def build_extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
     log(f"building the CPU and CUDA kernels ({why}; CUDA_HOME={_cuda_home}, archs "
         f"{os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPU')})")
-    sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
-    define_macros.append(("DECENT_COMM_WITH_CUDA", None))
+    define_macros.append((flags.CUDA_MACRO, None))
     nccl = None if os.environ.get("DECENT_COMM_NCCL") == "0" else find_nccl()
     if nccl is not None:
         nccl_include, nccl_lib = nccl
         log(f"NCCL transport: {nccl_lib}")
-        sources += sorted(glob.glob("csrc/comm/nccl/*.cpp"))
-        define_macros.append(("DECENT_COMM_WITH_NCCL", None))
+        define_macros.append((flags.NCCL_MACRO, None))
         include_dirs.append(nccl_include)
         extra_link_args += [nccl_lib, f"-Wl,-rpath,{os.path.dirname(nccl_lib)}"]
     else:
         log("NCCL not found: building without the NCCL transport")
-    nvcc_flags = [cxx_std_flag(), "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    sources = flags.host_sources("", cuda=True, nccl=nccl is not None) + flags.cuda_sources("")
+    nvcc_flags = list(flags.NVCC_FLAGS)
     return CUDAExtension(
         "decent_comm._C",
         sources,

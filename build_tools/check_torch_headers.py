@@ -1,0 +1,91 @@
+"""Compiles every host C++ file of the extension (CUDA glue and NCCL transport included) against another torch's
+headers, syntax only, with the flags and macros of a CUDA build: an API that the other torch lacks fails here, not
+on the machine that runs it.
+
+    python build_tools/check_torch_headers.py [--torch 2.11.0] [--cache build/torch-headers]
+
+The default is the GPU machine's torch (2.11, /work/.library/device/KINDS.md): the GPU check builds there, and a
+torch API newer than it stopped that build once (ProcessGroup::hasBackendForDeviceType). The wheel (about 530 MB,
+from the package registry, without its dependencies) is cached; only its headers are unpacked. The CUDA and NCCL
+headers are this machine's (build_tools/cuda_home.py, build_tools/nccl.py): the .cu files include no torch header,
+so they do not depend on the torch version and are compiled by the build itself.
+"""
+
+import argparse
+import concurrent.futures
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from build_tools import flags  # noqa: E402
+from build_tools.cuda_home import find_cuda_home  # noqa: E402
+from build_tools.nccl import find_nccl  # noqa: E402
+
+
+def torch_headers(version: str, cache: str) -> str:
+    """The include directory of torch==`version`'s wheel for this Python, downloaded and unpacked once."""
+    where = os.path.join(cache, version)
+    include = os.path.join(where, "torch", "include")
+    if os.path.isdir(include):
+        return include
+    os.makedirs(where, exist_ok=True)
+    wheels = glob.glob(os.path.join(where, f"torch-{version}-*.whl"))
+    if not wheels:
+        # PIP_CONSTRAINT is cleared: a cap on the torch release installed here must not refuse a download of another
+        cmd = [sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "--only-binary=:all:",
+               "-d", where]
+        subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
+        wheels = glob.glob(os.path.join(where, f"torch-{version}-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extractall(where, [n for n in wheel.namelist() if n.startswith("torch/include/")])
+    os.remove(wheels[0])  # the headers are what is kept
+    return include
+
+
+def compile_command(source: str, include: str, cuda_include: str, nccl_include: str):
+    return ["c++", "-fsyntax-only", *flags.CXX_FLAGS, "-fPIC", "-I", os.path.join(ROOT, "csrc"), "-I", include,
+            "-I", os.path.join(include, "torch", "csrc", "api", "include"), "-I", cuda_include, "-I", nccl_include,
+            "-I", sysconfig.get_paths()["include"], f"-D{flags.CUDA_MACRO}", f"-D{flags.NCCL_MACRO}",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", source]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--torch", default="2.11.0", help="the torch release whose headers to compile against")
+    ap.add_argument("--cache", default=os.path.join(ROOT, "build", "torch-headers"))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    cuda_home, nccl = find_cuda_home(), find_nccl()
+    if cuda_home is None or nccl is None:
+        sys.exit(f"check_torch_headers: needs the CUDA toolkit's headers (found {cuda_home!r}) and NCCL's (found "
+                 f"{nccl!r}) to compile the CUDA glue and the NCCL transport")
+    include = torch_headers(args.torch, args.cache)
+    sources = flags.host_sources(ROOT, cuda=True, nccl=True)
+
+    def check(source):
+        run = subprocess.run(compile_command(source, include, os.path.join(cuda_home, "include"), nccl[0]),
+                             capture_output=True, text=True)
+        return source, run.returncode, run.stderr
+
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for source, rc, err in pool.map(check, sources):
+            name = os.path.relpath(source, ROOT)
+            if rc:
+                failed += 1
+                errors = [line for line in err.splitlines() if "error" in line]
+                print(f"FAIL {name}\n  " + "\n  ".join(errors[:10] or err.splitlines()[-10:]))
+            else:
+                print(f"ok   {name}")
+    print(f"check_torch_headers: {len(sources) - failed} of {len(sources)} host files compile against torch "
+          f"{args.torch}'s headers")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
