@@ -229,4 +229,5 @@ def check_mix_width(topology: Topology, rank: int, world_size: int, groups: Opti
                         f"topology {topo.name!r}: rank {r} mixes {width - extra} neighbours at step {t}"
                         f"{' and its own public copy' if extra else ''}, but one mix reads at most {limit} buffers: "
                         "use a sparser topology, or exchange='auto' where the step averages in groups (complete runs "
-                        "as one all-reduce; the 8-bit wire is point to point only)")
+                        f"as one all-reduce; the 8-bit wire is point to point only, and groups are looked for only in "
+                        f"schedules of period x world size <= {MAX_SCAN})")
