@@ -228,7 +228,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         """opt.state edited since the optimizer last handed it back (user_edits): the flat buffers take it, as
         torch.optim would."""
         if self._state_watch.edited(self.state):
-            adopt_state_edits(self._buckets, self._param_list(), self.state, self._bucket_state_names)
+            adopt_state_edits(self._buckets, self._param_list(), self.state, self._state_layout())
 
     def _note_state(self):
         """What opt.state holds now, to tell the user's edits from it at the next step."""

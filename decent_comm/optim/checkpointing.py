@@ -4,15 +4,42 @@ param group 0 and, for an exact resume, a delayed round's correction and the 8-b
 per-parameter state. A state_dict that cannot load is refused before anything is loaded.
 """
 
+import torch
+
 from . import state_dict_hooks
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
 from .schedule import CORRECTION
 from .schedule_state import check_schedule_state
-from .state_views import drop_named_state, gather_named_state, publish_named_state, read_state, write_state
+from .state_views import (StateLayout, drop_named_state, gather_named_state, publish_named_state, read_state,
+                          write_state)
 
 #: param_groups[0] key of where the gossip schedule stands (GossipSchedule.state_dict())
 SCHEDULE_KEY = "decentralized"
+
+#: The per-parameter state names of the optimizers of this package and of torch.optim's (which Decentralized wraps;
+#: LBFGS keeps its own in its first parameter's state): under one of them, state this class does not keep is another
+#: optimizer's checkpoint, refused. Any other name is a foreign entry that another library keeps in the optimizer's
+#: state (timm's Lookahead: "lookahead_slow_buff"), saved and loaded as torch.optim does.
+OPTIMIZER_STATE_NAMES = frozenset({
+    "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "accum", "momentum_buffer", "exp_inf", "mu_product", "sum",
+    "square_avg", "acc_delta", "grad_avg", "prev", "step_size", "eta", "mu", "ax", "row_var", "col_var", "variance",
+    "func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss", "al"})
+
+
+def _cast_like_torch(param, value):
+    """A foreign entry as torch.optim.Optimizer.load_state_dict gives it to the optimizer: tensors (also inside
+    dicts, lists and tuples) to the parameter's device and (a floating-point parameter) dtype, the same tensor when
+    that changes nothing. Other values stay as they are (torch's rebuilds a string from a generator of its
+    characters, which makes it the generator's repr)."""
+    if torch.is_tensor(value):
+        return value.to(dtype=param.dtype, device=param.device) if param.is_floating_point() else \
+            value.to(device=param.device)
+    if isinstance(value, dict):
+        return {k: _cast_like_torch(param, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_like_torch(param, v) for v in value)
+    return value
 
 
 class StateDictMixin:
@@ -22,6 +49,15 @@ class StateDictMixin:
     #: those a parameter that has stepped always has
     _STATE_NAMES = None
     _STATE_NEEDED = ()
+    #: whether the step count restarts with the state buffers (DSGD's: the steps since the momentum buffer started)
+    _COUNT_FOLLOWS_BUFFERS = False
+
+    def _state_layout(self) -> StateLayout:
+        return StateLayout(self._bucket_state_names, self._is_buffer_name, self._COUNT_FOLLOWS_BUFFERS)
+
+    def _is_buffer_name(self, name) -> bool:
+        """Whether opt.state[p][name] is a view of a flat buffer, not a foreign entry."""
+        return name in (self._STATE_NAMES or ()) or name == CORRECTION or str(name).startswith(WIRE_PREFIX)
 
     def _optimizer_state_dict(self) -> dict:
         """torch.optim's state_dict: opt.state already holds per-parameter views of the flat state."""
@@ -34,10 +70,12 @@ class StateDictMixin:
         # current parameters by position.
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
         param_of = dict(zip(saved_ids, self._param_list()))
-        loaded = read_state(self._buckets, saved_state, param_of)  # raises before anything is loaded
+        layout = self._state_layout()
+        # raises before anything is loaded
+        loaded = read_state(self._buckets, saved_state, param_of, layout, foreign_value=_cast_like_torch)
         with state_dict_hooks.suspended(self):
             super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        write_state(self._buckets, loaded, self.state, self._bucket_state_names)
+        write_state(self._buckets, loaded, self.state, layout)
 
     def state_dict(self):
         return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
@@ -94,13 +132,14 @@ class StateDictMixin:
         momentum_buffer in DAdamW, Adam's moments in DSGD). Loaded, the foreign buffers were kept for nothing and
         the saved step counts applied to state that started at zero (DAdamW's first update after a DSGD
         checkpoint of 3 steps: 0.58 lr, Adam's bias correction of step 4 on zero moments); torch's optimizers fail
-        at the next step instead. A subset loads (AccumAdamW from AdamW: its accumulator starts at zero)."""
+        at the next step instead. A subset loads (AccumAdamW from AdamW: its accumulator starts at zero), and so do
+        names no optimizer keeps (OPTIMIZER_STATE_NAMES): another library's entries, kept as they are, as in torch."""
         if self._STATE_NAMES is None:
             return
-        name, mine = type(self).__name__, set(self._STATE_NAMES) | {"step", CORRECTION}
+        name, mine = type(self).__name__, set(self._STATE_NAMES) | {"step"}
         for key, st in saved.items():
             st = st or {}
-            foreign = sorted(str(n) for n in st if n not in mine and not str(n).startswith(WIRE_PREFIX))
+            foreign = sorted(str(n) for n in st if n in OPTIMIZER_STATE_NAMES and n not in mine)
             lacking = [n for n in self._STATE_NEEDED if n not in st] if "step" in st else []
             if foreign or lacking:
                 what = f"has state {foreign} that {name} does not keep" if foreign else \

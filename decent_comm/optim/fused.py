@@ -152,6 +152,9 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                              "requires zero dampening")
 
     _STATE_NAMES = ("momentum_buffer",)
+    # The count is the steps since the buffer started: a parameter whose buffer is dropped (opt.state[p]
+    # ["momentum_buffer"] = None, del, a checkpoint without it) restarts at 0, and its buffer at g, as torch's.
+    _COUNT_FOLLOWS_BUFFERS = True
 
     def _state_names(self, group):
         return list(self._STATE_NAMES) if group["momentum"] != 0 else []

@@ -4,11 +4,26 @@ views, loading a state_dict into the buffers (validated in full before anything 
 buffers (the 8-bit wire's copies, a delayed round's correction) that state_dict() carries for checkpoints.
 """
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .buckets import Bucket, _classes_of, find_bucket_of
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which per-parameter state of opt.state an optimizer keeps in its flat buffers."""
+
+    names_of: Callable[[Bucket], List[str]]  # the buffers bucket b's update uses (its param group's options)
+    # Whether opt.state[p][name] is a flat buffer's view (the class's state names, a delayed round's correction,
+    # the 8-bit wire's copies); any other name is another library's note (timm's Lookahead keeps
+    # "lookahead_slow_buff" in its base optimizer's state), kept in opt.state as it is, as torch.optim keeps it.
+    is_buffer: Callable[[object], bool] = lambda name: True
+    # Whether a parameter's count restarts when one of names_of(b) is missing: DSGD's count is the steps since its
+    # momentum buffer started (torch.optim.SGD restarts a missing buffer at the gradient, not (1 - dampening) g).
+    count_follows_buffers: bool = False
 
 
 def publish_state(b: Bucket, state, stepped: Optional[List[bool]] = None) -> None:
@@ -36,17 +51,17 @@ def publish_state(b: Bucket, state, stepped: Optional[List[bool]] = None) -> Non
 
 
 #: what read_state found for each slot it loads: (id(bucket), slot index) -> (count or None, {name: tensor to copy,
-#: or None where the saved tensor is that slot's own view already})
+#: or None where the saved tensor is that slot's own view already}, {foreign name: value for opt.state})
 Loaded = Dict[tuple, tuple]
 
 
-def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state,
-               state_names: Callable[[Bucket], List[str]]) -> None:
+def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state, layout: StateLayout) -> None:
     """Copies a torch.optim state_dict's per-parameter state into the flat buffers: write_state(read_state(...))."""
-    write_state(buckets, read_state(buckets, saved_state, param_of), state, state_names)
+    write_state(buckets, read_state(buckets, saved_state, param_of, layout), state, layout)
 
 
-def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict) -> Loaded:
+def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict, layout: StateLayout,
+               foreign_value: Callable[[torch.Tensor, object], object] = lambda p, value: value) -> Loaded:
     """The first half of loading a state_dict's per-parameter state, which writes nothing and raises ValueError for
     what cannot load (a tensor of another shape than its parameter's, a value that is not a tensor), so that a refused
     state_dict leaves the optimizer as it was. `param_of`: saved key (an index, or an FQN from
@@ -55,7 +70,8 @@ def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict) -> Load
     The saved tensors may be this optimizer's own views: opt.load_state_dict(opt.state_dict()), or
     torch.distributed.checkpoint loading into get_state_dict's tensors in place. So everything is read before
     anything is written: the counts as numbers, and a saved tensor sharing memory with the buckets is cloned unless
-    it is its own destination (then it stays where it is)."""
+    it is its own destination (then it stays where it is). Foreign entries (not layout.is_buffer) are not looked at:
+    `foreign_value(param, value)` is what opt.state[param] gets."""
     slot_of = find_bucket_of(buckets)
     bucket_memory = {t.untyped_storage().data_ptr() for b in buckets for t in [b.step_count, *b.state.values()]}
     loaded: Loaded = {}
@@ -66,32 +82,38 @@ def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict) -> Load
         if p is None or not st:
             continue
         b, i = slot_of[id(p)]
-        count, tensors = None, {}
+        count, tensors, foreign = None, {}, {}
         for name, value in st.items():
             if name == "step":
                 count = float(value)
+            elif not layout.is_buffer(name):
+                foreign[name] = foreign_value(p, value)
             elif value is not None:
                 if not torch.is_tensor(value) or value.shape != p.shape:
                     what = f"has shape {tuple(value.shape)}" if torch.is_tensor(value) else f"is a {type(value).__name__}"
                     raise ValueError(f"state {name!r} of parameter {key!r} {what}, the parameter is a tensor of shape "
                                      f"{tuple(p.shape)}: nothing was loaded")
                 tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
-        loaded[(id(b), i)] = (count, tensors)
+        loaded[(id(b), i)] = (count, tensors, foreign)
     return loaded
 
 
 @torch.no_grad()
-def write_state(buckets: List[Bucket], loaded: Loaded, state, state_names: Callable[[Bucket], List[str]]) -> None:
-    """The second half: the flat buffers and counts take what read_state found, and opt.state their views again.
-    `state_names(b)`: bucket b's optimizer-state buffers; a parameter given none of them starts afresh (zero buffers,
-    count 0), as in a torch optimizer that loads it. A parameter given them without a count (torch.optim.SGD saves
-    none) has stepped: count 1."""
+def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayout) -> None:
+    """The second half: the flat buffers and counts take what read_state found, and opt.state their views again
+    (with the foreign entries read_state found). `layout.names_of(b)`: bucket b's optimizer-state buffers; a
+    parameter given none of them starts afresh (zero buffers, count 0), as in a torch optimizer that loads it. A
+    parameter given them without a count (torch.optim.SGD saves none) has stepped: count 1; given a count but not
+    all of them, with layout.count_follows_buffers, it restarts at count 0."""
     for b in buckets:
         b.step_count.zero_()
         b.published, b.published_names = [None] * len(b.slots), frozenset()
-        names = state_names(b)
+        names = layout.names_of(b)
+        foreign_of = []
         for i, s in enumerate(b.slots):
-            count, tensors = loaded.get((id(b), i), (None, {}))
+            count, tensors, foreign = loaded.get((id(b), i), (None, {}, {}))
+            if foreign:
+                foreign_of.append((s.param, foreign))
             for name, value in tensors.items():
                 if value is not None:
                     b.view(b.state_buffer(name), s).copy_(value)
@@ -99,12 +121,15 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, state_names: Calla
                 if name not in tensors and name in b.state:
                     b.view(b.state[name], s).zero_()
             if count is not None:
-                b.step_count[i] = count
+                restart = layout.count_follows_buffers and any(name not in tensors for name in names)
+                b.step_count[i] = 0.0 if restart else count
             elif any(name in tensors for name in names):
                 b.step_count[i] = 1.0
         if b.classes is not None:  # the loaded counts decide which slots agree
             b.classes = _classes_of(b.step_count.tolist())
         publish_state(b, state)
+        for param, foreign in foreign_of:
+            state[param].update(foreign)
 
 
 def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: set):

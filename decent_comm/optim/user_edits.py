@@ -16,7 +16,7 @@ import sys
 from typing import Callable, List, Sequence
 
 from .buckets import Bucket
-from .state_views import load_state
+from .state_views import StateLayout, load_state
 
 
 def group_layout(groups: Sequence[dict]) -> List[tuple]:
@@ -53,9 +53,9 @@ def check_param_groups(groups: Sequence[dict], built: List[tuple]) -> None:
 class StateWatch:
     """What opt.state held when the optimizer last handed it back (after construction, step, state_dict and
     load_state_dict), to tell at the next step whether the user edited it: an entry added, removed or replaced, or
-    a tensor or "step" assigned under an optimizer state name. The 8-bit wire's copies and a delayed round's
-    correction, which state_dict() puts there for checkpoints, are not looked at. Identity tests only, run by C
-    loops (map over operator.is_), so a step pays ~0.1 us per parameter and state name for it."""
+    a tensor or "step" assigned under an optimizer state name. The 8-bit wire's copies, a delayed round's
+    correction (which state_dict() puts there for checkpoints) and foreign entries are not looked at. Identity tests
+    only, run by C loops (map over operator.is_), so a step pays ~0.1 us per parameter and state name for it."""
 
     def __init__(self):
         self._state = None
@@ -93,14 +93,14 @@ class StateWatch:
         return not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._views))
 
 
-def adopt_state_edits(buckets: List[Bucket], params: Sequence, state,
-                      names_of: Callable[[Bucket], List[str]]) -> None:
+def adopt_state_edits(buckets: List[Bucket], params: Sequence, state, layout: StateLayout) -> None:
     """Loads opt.state as it now stands into the flat buffers, as load_state_dict would load it: a parameter without
     state starts afresh (zero moments, count 0, as in torch.optim), an assigned tensor is copied in (its shape
-    checked), an assigned "step" sets the count; then opt.state holds the buckets' views again."""
+    checked), an assigned "step" sets the count, foreign entries stay as they are; then opt.state holds the buckets'
+    views again."""
     # keyed by the parameters' indices (the optimizer's param groups in order), as in a state_dict and its errors
     saved = {k: dict(state[p]) for k, p in enumerate(params) if p in state}
-    load_state(buckets, saved, dict(enumerate(params)), state, names_of)
+    load_state(buckets, saved, dict(enumerate(params)), state, layout)
 
 
 def called_by_checkpoint_init(depth: int = 12) -> bool:

@@ -1,0 +1,146 @@
+"""Edits of opt.state that torch.optim code makes and test_optim_user_edits does not cover, checked against torch.optim
+itself: a dropped SGD momentum buffer under dampening, and entries of other libraries (timm's Lookahead keeps its
+slow weights in its base optimizer's state)."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import decent_comm
+
+from optim_cases import batch, make_model
+
+PAIRS = {
+    "adamw": (decent_comm.DAdamW, torch.optim.AdamW, ("exp_avg", "exp_avg_sq")),
+    "sgd-momentum": (lambda ps, **kw: decent_comm.DSGD(ps, momentum=0.9, dampening=0.3, **kw),
+                     lambda ps, **kw: torch.optim.SGD(ps, momentum=0.9, dampening=0.3, **kw), ("momentum_buffer",)),
+}
+
+
+def _steps(model, opt, start, stop, scaler=None):
+    for t in range(start, stop):
+        x, y = batch(0, t)
+        opt.zero_grad()
+        loss = ((model(x.to(model[0].weight.dtype)) - y.to(model[0].weight.dtype)) ** 2).mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def _assert_same_run(model, opt, ref, ropt, keys, rtol=1e-6, atol=1e-7):
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, rtol=rtol, atol=atol)
+        for k in keys:
+            torch.testing.assert_close(opt.state[p][k].to(rp.dtype), ropt.state[rp][k], rtol=10 * rtol, atol=atol)
+        if "step" in ropt.state[rp]:
+            assert float(opt.state[p]["step"]) == float(ropt.state[rp]["step"])
+
+
+DROPS = {
+    "None": lambda st, p: st[p].__setitem__("momentum_buffer", None),
+    "del": lambda st, p: st[p].__delitem__("momentum_buffer"),
+}
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["", "grad-scaler"])
+@pytest.mark.parametrize("drop", DROPS)
+def test_a_dropped_momentum_buffer_restarts_at_the_gradient_as_torch_sgd(drop, scaled):
+    """torch.optim.SGD restarts a missing buffer at g; DSGD kept the parameter's count, so its buffer restarted at
+    (1 - dampening) g (7e-3 off torch after 3 steps at dampening 0.3). Only the parameter dropped restarts."""
+    runs = []
+    for build in (decent_comm.DSGD, torch.optim.SGD):
+        model = make_model(0)
+        opt = build(model.parameters(), lr=0.05, momentum=0.9, dampening=0.3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
+        _steps(model, opt, 0, 3, scaler)
+        DROPS[drop](opt.state, list(model.parameters())[2])
+        _steps(model, opt, 3, 6, scaler)
+        runs.append((model, opt))
+    _assert_same_run(*runs[0], *runs[1], ("momentum_buffer",), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_without_a_momentum_buffer_restarts_it_as_torch_sgd():
+    """What the refusal of another optimizer's state advises (drop those entries) leaves a count without a buffer."""
+    src = make_model(0)
+    opt = decent_comm.DSGD(src.parameters(), lr=0.05, momentum=0.9, dampening=0.3)
+    _steps(src, opt, 0, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    del saved["state"][0]["momentum_buffer"]
+    saved["param_groups"][0].pop("decentralized")
+    runs = []
+    for build in (decent_comm.DSGD, torch.optim.SGD):
+        model = make_model(0)
+        model.load_state_dict(src.state_dict())
+        o = build(model.parameters(), lr=0.05, momentum=0.9, dampening=0.3)
+        _steps(model, o, 0, 1)  # a buffer of its own for parameter 0 too, which the load must drop
+        loaded = copy.deepcopy(saved)
+        if build is torch.optim.SGD:  # which would keep DSGD's counts, unused
+            loaded["state"] = {k: {n: v for n, v in st.items() if n != "step"} for k, st in loaded["state"].items()}
+        o.load_state_dict(loaded)
+        _steps(model, o, 3, 6)
+        runs.append((model, o))
+    _assert_same_run(*runs[0], *runs[1], ("momentum_buffer",))
+
+
+class Lookahead:
+    """The pattern of timm.optim.lookahead.Lookahead: its slow weights live in the base optimizer's state."""
+
+    def __init__(self, base, alpha=0.5, k=2, n=0):
+        self.base, self.alpha, self.k, self.n = base, alpha, k, n
+
+    def zero_grad(self):
+        self.base.zero_grad()
+
+    @torch.no_grad()
+    def step(self):
+        self.base.step()
+        self.n += 1
+        if self.n % self.k == 0:
+            for g in self.base.param_groups:
+                for p in g["params"]:
+                    st = self.base.state[p]
+                    if "lookahead_slow_buff" not in st:
+                        st["lookahead_slow_buff"] = p.detach().clone()
+                    slow = st["lookahead_slow_buff"]
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+
+
+@pytest.mark.parametrize("serialize", [False, True], ids=["", "torch.save"])
+def test_another_librarys_state_entries_are_kept_saved_and_loaded_as_torch(serialize):
+    """DAdamW refused its own checkpoint with Lookahead's entries as "another optimizer's", and a non-tensor entry
+    made every step after a moment reset raise."""
+    runs = []
+    for build in (decent_comm.DAdamW, torch.optim.AdamW):
+        model = make_model(0)
+        la = Lookahead(build(model.parameters(), lr=0.01))
+        _steps(model, la, 0, 4)
+        sd = copy.deepcopy(la.base.state_dict())
+        assert all("lookahead_slow_buff" in st for st in sd["state"].values())
+        la.base.load_state_dict(copy.deepcopy(sd))  # its own, back
+        if serialize:
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            buf.seek(0)
+            sd = torch.load(buf, weights_only=True)
+        resumed = make_model(1)
+        resumed.load_state_dict(model.state_dict())
+        la2 = Lookahead(build(resumed.parameters(), lr=0.01), n=4)
+        la2.base.load_state_dict(sd)
+        _steps(resumed, la2, 4, 9)
+        # a note of another kind and a moment reset by replacement, then a step and a checkpoint
+        p0 = next(iter(resumed.parameters()))
+        la2.base.state[p0]["note"] = "frozen-at-step-9"
+        la2.base.state[p0]["exp_avg"] = torch.zeros_like(p0)
+        _steps(resumed, la2, 9, 10)
+        assert la2.base.state_dict()["state"][0]["note"] == "frozen-at-step-9"
+        runs.append((resumed, la2.base))
+    (model, opt), (ref, ropt) = runs
+    _assert_same_run(model, opt, ref, ropt, ("exp_avg", "exp_avg_sq", "lookahead_slow_buff"), rtol=1e-5,
+                     atol=1e-6)
