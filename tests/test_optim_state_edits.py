@@ -1,6 +1,7 @@
 """Edits of opt.state that torch.optim code makes and test_optim_user_edits does not cover, checked against torch.optim
-itself: a dropped SGD momentum buffer under dampening, and entries of other libraries (timm's Lookahead keeps its
-slow weights in its base optimizer's state)."""
+itself: a state tensor given other storage (t.data = u, t.set_(u)), a step count written in place while the kernels
+count on the device (GradScaler), a dropped SGD momentum buffer under dampening, and entries of other libraries
+(timm's Lookahead keeps its slow weights in its base optimizer's state)."""
 
 import copy
 import io
@@ -40,6 +41,86 @@ def _assert_same_run(model, opt, ref, ropt, keys, rtol=1e-6, atol=1e-7):
             torch.testing.assert_close(opt.state[p][k].to(rp.dtype), ropt.state[rp][k], rtol=10 * rtol, atol=atol)
         if "step" in ropt.state[rp]:
             assert float(opt.state[p]["step"]) == float(ropt.state[rp]["step"])
+
+
+STORAGE_EDITS = {
+    "data": lambda t, new: setattr(t, "data", new),
+    "set_": lambda t, new: t.set_(new),
+}
+
+
+@pytest.mark.parametrize("how", STORAGE_EDITS)
+@pytest.mark.parametrize("pair", PAIRS)
+def test_a_state_tensor_given_other_storage_is_what_the_next_step_uses(pair, how):
+    """opt.state[p]["exp_avg"].data = zeros was ignored: the optimizer kept its moments, and opt.state and
+    state_dict() showed the detached tensor, never updated (a resume started from moments training never used)."""
+    ctor, ref_ctor, keys = PAIRS[pair]
+    model, ref = make_model(0).double(), make_model(0).double()
+    opt, ropt = ctor(model.parameters(), lr=0.05), ref_ctor(ref.parameters(), lr=0.05)
+    _steps(model, opt, 0, 3)
+    _steps(ref, ropt, 0, 3)
+    held = []
+    for o, m in ((opt, model), (ropt, ref)):
+        p = list(m.parameters())[1]
+        t = o.state[p][keys[0]]
+        STORAGE_EDITS[how](t, torch.full_like(t, 0.25))
+        if pair == "adamw":  # (torch.optim.SGD keeps no count)
+            STORAGE_EDITS[how](o.state[p]["step"], torch.tensor(1.0))
+        held.append((o, p, t))
+    saved, rsaved = opt.state_dict()["state"], ropt.state_dict()["state"]  # what a checkpoint now holds
+    for k, st in rsaved.items():
+        for name, v in st.items():
+            torch.testing.assert_close(saved[k][name].double(), v.double(), rtol=1e-5, atol=1e-7)
+    _steps(model, opt, 3, 6)
+    _steps(ref, ropt, 3, 6)
+    _assert_same_run(model, opt, ref, ropt, keys)
+    # the tensor the user holds is still opt.state's, and live: what a checkpoint carries, where writes go
+    o, p, t = held[0]
+    assert o.state[p][keys[0]] is t
+    t.fill_(7.0)
+    assert float(o.state_dict()["state"][1][keys[0]].min()) == 7.0
+
+
+def test_a_state_tensor_given_storage_of_another_shape_is_refused_by_name():
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.05)
+    _steps(model, opt, 0, 2)
+    opt.state[list(model.parameters())[1]]["exp_avg"].set_(torch.zeros(5))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 1 has shape \(5,\)"):
+        _steps(model, opt, 2, 3)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+
+
+STEP_EDITS = {
+    "fill_": lambda st, p: st[p]["step"].fill_(1.0),
+    "+=": lambda st, p: st[p].__setitem__("step", st[p]["step"].__iadd__(-2.0)),
+    "data": lambda st, p: setattr(st[p]["step"], "data", torch.tensor(1.0)),
+    "assign": lambda st, p: st[p].__setitem__("step", torch.tensor(1.0)),
+}
+
+
+@pytest.mark.parametrize("index", [0, 2])
+@pytest.mark.parametrize("how", STEP_EDITS)
+@pytest.mark.parametrize("ctor, ref_ctor", [(decent_comm.DAdamW, torch.optim.AdamW),
+                                            (decent_comm.DAdam, torch.optim.Adam)], ids=["adamw", "adam"])
+def test_a_step_count_edit_under_grad_scaler_changes_that_parameter_only(ctor, ref_ctor, how, index):
+    """Under GradScaler the kernels keep the counts on the device and run a bucket's parameters of equal history
+    as one call, reading its first parameter's count: an in-place edit of one count spread to all (edit of the
+    first) or was lost (of another)."""
+    runs = []
+    for build in (ctor, ref_ctor):
+        model = make_model(0)
+        opt = build(model.parameters(), lr=0.01, weight_decay=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        _steps(model, opt, 0, 4, scaler)
+        STEP_EDITS[how](opt.state, list(model.parameters())[index])
+        _steps(model, opt, 4, 7, scaler)
+        runs.append((model, opt))
+    (model, opt), (ref, ropt) = runs
+    _assert_same_run(model, opt, ref, ropt, ("exp_avg", "exp_avg_sq"), rtol=1e-5, atol=1e-6)
+    assert sorted({float(opt.state[p]["step"]) for p in model.parameters()}) == [2.0 + 3 if how == "+=" else 4.0, 7.0]
 
 
 DROPS = {

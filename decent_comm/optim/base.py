@@ -227,7 +227,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
     def _adopt_state_edits(self):
         """opt.state edited since the optimizer last handed it back (user_edits): the flat buffers take it, as
         torch.optim would."""
-        if self._state_watch.edited(self.state):
+        if self._state_watch.needs_reload(self.state, self._buckets):
             adopt_state_edits(self._buckets, self._param_list(), self.state, self._state_layout())
 
     def _note_state(self):

@@ -33,20 +33,21 @@ def publish_state(b: Bucket, state, stepped: Optional[List[bool]] = None) -> Non
     new_names = b.state.keys() - b.published_names
     if all(b.published) and not new_names:
         return
-    published = list(b.published)
+    published, changed = list(b.published), bool(new_names)
     for i, s in enumerate(b.slots):
         if not published[i] and (stepped[i] if stepped is not None else b.step_count[i] > 0):
             views = {name: b.view(buf, s) for name, buf in b.state.items()}
             views["step"] = b.step_count[i]
             state[s.param].update(views)
-            published[i] = views
+            published[i], changed = views, True
         elif published[i] and new_names:
             # a state buffer created after this slot was published (DSGD's momentum switched on mid-run): torch
             # keeps it in opt.state, so state_dict() and checkpoints carry it
             added = {name: b.view(b.state[name], s) for name in new_names if name not in published[i]}
             state[s.param].update(added)
             published[i] = {**published[i], **added}
-    b.published = published
+    if changed:  # the same list otherwise (a frozen parameter never published): StateWatch need not look again
+        b.published = published
     b.published_names = b.published_names | b.state.keys()
 
 
