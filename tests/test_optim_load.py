@@ -338,7 +338,7 @@ def _dcp_per_rank_resume(rank, n, root):
 
 def test_dcp_per_rank_checkpoints_resume_every_replica_exactly(tmp_path):
     """Replicas differ, so DCP's save under one checkpoint_id (one copy per name) would blend them; the recipe in
-    docs/api.md saves each rank under its own, and every rank resumes its own trajectory exactly."""
+    docs/state.md saves each rank under its own, and every rank resumes its own trajectory exactly."""
     from dist_utils import run_ranks
     assert run_ranks(_dcp_per_rank_resume, 3, str(tmp_path), timeout=300) == [0.0] * 3
 
