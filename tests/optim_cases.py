@@ -40,21 +40,29 @@ def assert_every_rank_close(results, tol=1e-5):
         assert not bad, (r, bad)
 
 
-def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False):
+def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False, schedule=None):
     """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
     into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
     parameters from the straight run's, the checkpoint, on_load(new optimizer) right after loading, or None).
     `build(model)` makes the optimizer; `serialize`: the checkpoint goes through torch.save / torch.load
-    (weights_only=True), as a file would; `model_first`: the model's state_dict is taken before the optimizer's."""
+    (weights_only=True), as a file would; `model_first`: the model's state_dict is taken before the optimizer's;
+    `schedule(opt)`, if given, makes an lr scheduler, stepped after each step and resumed from its state_dict."""
+    def run(model, opt, steps, start=0, sched_state=None):
+        sched = schedule(opt) if schedule is not None else None
+        if sched_state is not None:
+            sched.load_state_dict(sched_state)
+        train_steps(rank, model, opt, steps, start, after_step=None if sched is None else lambda t: sched.step())
+        return None if sched is None else sched.state_dict()
+
     model = make_model(rank)
     opt = build(model)
-    train_steps(rank, model, opt, total)
+    run(model, opt, total)
     opt.synchronize()
     straight = flat_params(model)
     opt.shutdown()
     model = make_model(rank)
     opt = build(model)
-    train_steps(rank, model, opt, stop)
+    sched_state = run(model, opt, stop)
     if model_first:
         model_sd = {k: v.clone() for k, v in model.state_dict().items()}
         ckpt = (opt.state_dict(), model_sd)
@@ -72,7 +80,7 @@ def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None,
     model.load_state_dict(ckpt[1])
     opt.load_state_dict(ckpt[0])
     seen = on_load(opt) if on_load is not None else None
-    train_steps(rank, model, opt, total - stop, stop)
+    run(model, opt, total - stop, stop, sched_state)
     opt.synchronize()
     err = (flat_params(model) - straight).abs().max().item()
     opt.shutdown()

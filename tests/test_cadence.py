@@ -78,6 +78,43 @@ def test_cadence_resumes_mid_interval(mode):
         assert "gossip_every=3" in msg, msg
 
 
+def _resume_with_consensus(rank, n, gossip_every, consensus):
+    """A consensus factor other than 1 under a communication interval: the checkpoint saves the factor of the round
+    in flight, which a resume must mix into that round only (it once saved a local step's 1.0, which the resume then
+    mixed into the next gossip round)."""
+    def build(model):
+        a = decent_comm.AdaptiveConsensus(p=2, min_factor=0.2) if consensus == "adaptive" else 0.5
+        return decent_comm.DSGD(model.parameters(), lr=0.05, momentum=0.9, topology="one-peer-exp", consensus=a,
+                                gossip_every=gossip_every, timeout=30)
+
+    def decay(opt):  # an lr that changes between launching a round and mixing it (AdaptiveConsensus reads it)
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+
+    # gossip_every=2: rounds at 0, 2, 4, 6; 3: at 0, 3, 6. `stop` steps done, the next one local or a round.
+    stops = {2: dict(local=5, round=4), 3: dict(local=4, local_later=5, round=6)}[gossip_every]
+
+    def next_factor(opt):
+        return opt.state_dict()["param_groups"][0]["decentralized"]["next_factor"]
+
+    results = {}
+    for name, stop in stops.items():
+        err, (opt_sd, _), again = resumed_vs_straight(rank, build, 12, stop, serialize=True, schedule=decay,
+                                                      on_load=next_factor)
+        results[name] = err, opt_sd["param_groups"][0]["decentralized"]["next_factor"], again
+    return results
+
+
+@pytest.mark.parametrize("consensus", ["0.5", "adaptive"])
+@pytest.mark.parametrize("gossip_every", [2, 3])
+def test_consensus_factor_resumes_exactly_at_local_and_gossip_steps(gossip_every, consensus):
+    for results in run_ranks(_resume_with_consensus, 3, gossip_every, consensus, timeout=300):
+        for name, (err, saved, again) in results.items():
+            assert err == 0.0, (name, err)  # bit-exact: every factor and mix as in the straight run
+            # a local step has no round in flight (old versions saved its 1.0); a checkpoint taken right after the
+            # resume saves the restored factor again
+            assert (saved is None) == name.startswith("local") and again == saved, (name, saved, again)
+
+
 @pytest.mark.parametrize("bad", [dict(gossip_every=0), dict(gossip_every=1.5), dict(warmup_steps=-1),
                                  dict(warmup_steps=True)])
 def test_cadence_arguments_checked(bad):

@@ -67,7 +67,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self.inflight: Optional[MixPlan] = None  # awc: the plan of x^t; atc: of x^{t+1/2}
         self.pending = set()             # atc: buckets received but not yet mixed
         self._fresh = False              # atc: the next pending mix starts a new disagreement measurement
-        self._resume_factor = None       # consensus factor of step t restored from a checkpoint
+        self._resume_factor = None       # (step, factor): the consensus factor a checkpoint saved for that step's round
         self._restored = False           # delayed_mix: a checkpoint's correction (b.state[CORRECTION]) is due
         self._checkpointed = False       # delayed_mix: the last checkpoint_correction() found a round in flight
         self._wire_round = None          # int8 wire: (step, factor) of the round in flight at the last checkpoint
@@ -114,17 +114,13 @@ class GossipSchedule(ScheduleCheckpoint):
     # ------------------------------------------------------------------------------------------ planning
 
     def plan(self, step: int) -> MixPlan:
+        resumed = self._take_resume_factor(step)
         r = self.cadence.round_of(step)
         if r is None:  # a warm-up (gradient all-reduce) or local step
             return MixPlan(step, 1.0, [], [], [], 1.0)
         if self.adaptive is not None and self.adaptive.decide(r):
             self._trim_recv_buffers()
-        # After a resume, the factor the interrupted run had already chosen for this step (from the lr in
-        # effect when it launched the exchange) keeps the trajectory identical.
-        if self._resume_factor is not None and step == self.t:
-            a, self._resume_factor = self._resume_factor, None
-        else:
-            a = consensus_factor(self.consensus, step, self._lr())
+        a = resumed if resumed is not None else consensus_factor(self.consensus, step, self._lr())
         return mix_plan(self.topology, self.rank, step, a, self.groups, topo_step=r)
 
     def wants_step_sq(self, decision_step: int) -> bool:

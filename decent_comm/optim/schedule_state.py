@@ -116,9 +116,7 @@ class ScheduleCheckpoint:
         return pending
 
     def state_dict(self) -> dict:
-        # atc: the in-flight plan is of step t - 1 and already applied; awc: of step t, still to be used
-        nxt = self.inflight if self.inflight is not None and self.inflight.step == self.t else None
-        return dict(step=self.t, next_factor=nxt.factor if nxt is not None else None,
+        return dict(step=self.t, next_factor=self._next_factor(),
                     gossip_every=self.cadence.gossip_every, warmup_steps=self.cadence.warmup_steps,
                     delayed_mix=self.cadence.delayed_mix, delayed_pending=self._checkpointed,
                     int8_wire_round=None if self._wire_round is None else [self._wire_round["step"],
@@ -126,6 +124,29 @@ class ScheduleCheckpoint:
                     topology=_topology_entry(self.topology), mode=self.mode, world_size=self.world_size, rank=self.rank,
                     consensus=self.consensus.state_dict() if hasattr(self.consensus, "state_dict") else None,
                     adaptive=self.adaptive.state_dict() if self.adaptive is not None else None)
+
+    def _next_factor(self) -> Optional[float]:
+        """The consensus factor of step t's gossip round when it is already chosen: awc's exchange in flight (atc's
+        plan is of step t - 1, already applied), or one a checkpoint restored and no step has used yet (a checkpoint
+        right after a resume). A warm-up or local step has none (its plan's 1.0 is no round's)."""
+        if self.cadence.round_of(self.t) is None:
+            return None
+        if self.inflight is not None and self.inflight.step == self.t:
+            return self.inflight.factor
+        if self._resume_factor is not None and self._resume_factor[0] == self.t:
+            return self._resume_factor[1]
+        return None
+
+    def _take_resume_factor(self, step: int) -> Optional[float]:
+        """After a resume, the factor the interrupted run had already chosen for the round of the checkpoint's step
+        (from the lr in effect when it launched that exchange, at the end of the step before), for that step alone:
+        every later round is planned at the same point of the step as the interrupted run planned it, from the same
+        lr, so it computes its own. (A checkpoint of earlier versions taken before a local step saved the local
+        step's 1.0, which had been mixed into the next gossip round.)"""
+        if self._resume_factor is None or step < self._resume_factor[0]:
+            return None
+        (saved_step, factor), self._resume_factor = self._resume_factor, None
+        return factor if step == saved_step else None
 
     def check_loadable(self, extra: Optional[dict]):
         """ValueError when a checkpoint's extras are another schedule's (rank, world size, cadence, topology); called
@@ -159,7 +180,8 @@ class ScheduleCheckpoint:
         self.check_loadable(extra)
         if extra is not None:
             self.t = int(extra["step"])
-            self._resume_factor = extra.get("next_factor")
+            factor = extra.get("next_factor")  # step t's round's, when its exchange was in flight
+            self._resume_factor = None if factor is None else (self.t, float(factor))
             if extra.get("consensus") is not None and hasattr(self.consensus, "load_state_dict"):
                 self.consensus.load_state_dict(extra["consensus"])
             if self.adaptive is not None:
