@@ -40,13 +40,15 @@ def assert_every_rank_close(results, tol=1e-5):
         assert not bad, (r, bad)
 
 
-def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False, schedule=None):
+def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False, schedule=None,
+                        before_load=None):
     """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
     into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
     parameters from the straight run's, the checkpoint, on_load(new optimizer) right after loading, or None).
     `build(model)` makes the optimizer; `serialize`: the checkpoint goes through torch.save / torch.load
     (weights_only=True), as a file would; `model_first`: the model's state_dict is taken before the optimizer's;
-    `schedule(opt)`, if given, makes an lr scheduler, stepped after each step and resumed from its state_dict."""
+    `schedule(opt)`, if given, makes an lr scheduler, stepped after each step and resumed from its state_dict;
+    `before_load(opt_sd)` edits the optimizer's checkpoint before it loads (as an earlier version saved it)."""
     def run(model, opt, steps, start=0, sched_state=None):
         sched = schedule(opt) if schedule is not None else None
         if sched_state is not None:
@@ -75,6 +77,8 @@ def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None,
         torch.save(ckpt, buf)
         buf.seek(0)
         ckpt = torch.load(buf, weights_only=True)
+    if before_load is not None:
+        before_load(ckpt[0])
     model = make_model(10 + rank)
     opt = build(model)
     model.load_state_dict(ckpt[1])

@@ -90,17 +90,22 @@ def _resume_with_consensus(rank, n, gossip_every, consensus):
     def decay(opt):  # an lr that changes between launching a round and mixing it (AdaptiveConsensus reads it)
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
 
-    # gossip_every=2: rounds at 0, 2, 4, 6; 3: at 0, 3, 6. `stop` steps done, the next one local or a round.
-    stops = {2: dict(local=5, round=4), 3: dict(local=4, local_later=5, round=6)}[gossip_every]
+    def as_saved_before(opt_sd):  # before a local step, earlier versions saved its plan's factor, 1.0
+        opt_sd["param_groups"][0]["decentralized"]["next_factor"] = 1.0
 
     def next_factor(opt):
         return opt.state_dict()["param_groups"][0]["decentralized"]["next_factor"]
 
+    # gossip_every=2: rounds at 0, 2, 4, 6; 3: at 0, 3, 6. `stop` steps done, the next one local or a round.
+    stops = {2: dict(local=5, round=4), 3: dict(local=4, local_later=5, round=6)}[gossip_every]
     results = {}
     for name, stop in stops.items():
         err, (opt_sd, _), again = resumed_vs_straight(rank, build, 12, stop, serialize=True, schedule=decay,
                                                       on_load=next_factor)
         results[name] = err, opt_sd["param_groups"][0]["decentralized"]["next_factor"], again
+    # a checkpoint of an earlier version, taken before a local step, resumes exactly too
+    results["local_saved_before"] = resumed_vs_straight(rank, build, 12, stops["local"], schedule=decay,
+                                                        before_load=as_saved_before)[0], None, None
     return results
 
 
