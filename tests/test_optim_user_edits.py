@@ -226,3 +226,60 @@ def test_nesterov_with_momentum_switched_off_trains_as_torch_sgd():
                 train_steps(0, model, opt, 1, start=4)
     for ours, torchs in zip(*runs):
         torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-7)
+
+
+# A value the fused kernels refuse (torch.optim's loops take most of them, torch.optim.AdamW's betas=(1, .) not),
+# set in param group 1 between steps; the reference never sees the edit (AccumAdamW, without a torch counterpart:
+# its own run).
+REFUSED_VALUES = {
+    "DSGD": (lambda ps: decent_comm.DSGD(ps, lr=0.05, momentum=0.9),
+             lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+             dict(lr=-0.01, momentum=-0.5, weight_decay=-0.1)),
+    "DAdamW": (lambda ps: decent_comm.DAdamW(ps, lr=0.05), lambda ps: torch.optim.AdamW(ps, lr=0.05),
+               dict(lr=-0.01, eps=-1.0, weight_decay=-0.1, betas=(1.0, 0.999))),
+    "AccumAdamW": (lambda ps: decent_comm.AccumAdamW(ps, lr=0.05, accum_steps=2),
+                   lambda ps: decent_comm.AccumAdamW(ps, lr=0.05, accum_steps=2),
+                   dict(lr=-0.01, eps=-1.0, weight_decay=-0.1, accum_steps=0)),
+}
+
+
+def _two_groups(model):
+    ps = list(model.parameters())
+    return [{"params": ps[:2]}, {"params": ps[2:]}]
+
+
+@pytest.mark.parametrize("name, key", [(n, k) for n, (_, _, bad) in REFUSED_VALUES.items() for k in bad])
+def test_a_value_the_kernels_refuse_is_refused_before_any_group_steps(name, key):
+    """Each group's kernel checked its own values, so group 0 had stepped (parameters, moments, step counts) when
+    group 1's raised. Now every group is checked first: nothing moves, and once the value is set back the run goes
+    on as one that never saw it. A refused load leaves the optimizer as it was too."""
+    build, build_ref, bad = REFUSED_VALUES[name]
+    model, ref = make_model(0).double(), make_model(0).double()
+    opt, ropt = build(_two_groups(model)), build_ref(_two_groups(ref))
+    _steps(model, opt, 0, 2)
+    before, saved = [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+    good, opt.param_groups[1][key] = opt.param_groups[1][key], bad[key]
+    shown, value = ("beta1", bad[key][0]) if key == "betas" else (key, bad[key])
+    refused = rf"^{name} \(param group 1\): {shown} must be .*, got {value:g}$"
+    with pytest.raises(ValueError, match=refused):
+        _steps(model, opt, 2, 3)
+    loaded = copy.deepcopy(saved)
+    loaded["param_groups"][1][key] = bad[key]
+    with pytest.raises(ValueError, match=refused):  # a checkpoint's, before anything loads
+        opt.load_state_dict(loaded)
+    with pytest.raises(ValueError, match=refused):  # a constructor's group
+        build([dict(group, **{key: bad[key]}) if i else group for i, group in enumerate(_two_groups(make_model(1)))])
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    after = opt.state_dict()
+    assert after["param_groups"][0] == saved["param_groups"][0]  # the schedule's step too
+    assert sorted(after["state"]) == sorted(saved["state"])
+    for i, st in saved["state"].items():
+        assert sorted(after["state"][i]) == sorted(st)
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    opt.param_groups[1][key] = good
+    _steps(model, opt, 2, 4)
+    _steps(ref, ropt, 0, 4)
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-7)

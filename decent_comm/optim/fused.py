@@ -4,6 +4,10 @@ Each is a torch.optim.Optimizer whose step runs one fused mix+update kernel per 
 Without an initialized process group, or with world size 1, each behaves exactly as its torch counterpart.
 """
 
+import collections
+import functools
+import re
+
 import torch
 
 from .. import ops
@@ -96,9 +100,27 @@ class _FusedGroupOptions:
             where = f" (param group {index})"
             _reject_unsupported(name, where, **{flag: group.get(flag) for flag in self._UNSUPPORTED})
             self._check_group(group, name + where)
+            self._check_values(group, name + where, self._math_dtype(index))
 
     def _check_group(self, group, where):
         """Class-specific checks of one group; `where` names the optimizer and the group for the message."""
+
+    def _check_values(self, group, where, math_dtype):
+        """ValueError for a hyper-parameter value the kernels refuse (lr, eps, weight_decay, momentum < 0, betas
+        outside [0, 1), a value float32 math cannot hold, ...; torch.optim takes some of them), found by the kernel
+        call of a step on a one-element stand-in on the meta device: the kernels' own checks, which the Meta kernel
+        shares, with nothing computed. Every group is checked before any bucket moves: the kernel of the group
+        holding such a value raised after the groups before it had stepped, their step counts advanced."""
+        try:
+            self._local_update(_meta_bucket(math_dtype), slice(0, 1), group, 0, [], 1.0, [])
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {re.sub(r'^decent_comm[.][a-z_]+: ', '', str(e))}") from None
+
+    def _math_dtype(self, index):
+        """The math dtype of live param group `index`'s kernels: float64 when its parameters are all float64 (any
+        finite value is taken), else float32 (bf16, fp16, fp32 storage), where a value must also fit in float32."""
+        params = self.param_groups[index]["params"] if index < len(self.param_groups) else []
+        return torch.float64 if params and all(p.dtype == torch.float64 for p in params) else torch.float32
 
     def _complete_loaded_groups(self, groups):
         """A loaded checkpoint's groups (torch's load_state_dict takes them whole): a key the saved optimizer did not
@@ -109,6 +131,24 @@ class _FusedGroupOptions:
                 group.setdefault(key, value)
             if "capturable" in group:
                 group["capturable"] = False
+
+
+class _MetaBucket:
+    """What _local_update reads of a bucket, one element long on the meta device (state float32, as the kernels
+    keep it): a kernel call on it only checks its arguments."""
+
+    def __init__(self, dtype):
+        self.flat = torch.empty(1, device="meta", dtype=dtype)
+        self.grad = torch.empty_like(self.flat)
+        self.state = collections.defaultdict(lambda: torch.empty(1, device="meta"))
+
+    def state_buffer(self, name):
+        return self.state[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_bucket(dtype):
+    return _MetaBucket(dtype)
 
 
 def _check_common(lr, weight_decay, eps=None, betas=None):
@@ -198,6 +238,8 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         self._init_decentralized(**opts)
 
     def _check_group(self, group, where):
+        if len(tuple(group["betas"])) != 2:  # else the step failed to unpack them
+            raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {tuple(group['betas'])!r}")
         # torch's Adam groups say which decay they apply: a checkpoint's must match where there is any decay
         decoupled = group.get("decoupled_weight_decay")
         if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
