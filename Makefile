@@ -1,7 +1,7 @@
 # decent_comm developer entry points.
 #   make demo   install, build, run the main demo
 #   make test   install, build, run the test suite (and the kernel tests against the CUDA kernels emulated on the CPU)
-# Everything lives in .venv (created if missing). TORCH_SPEC picks the torch to install; any torch >= 2.4
+# Everything lives in .venv (created if missing). TORCH_SPEC picks the torch to install; torch >= 2.11
 # builds the extension.
 
 PYTHON ?= python3

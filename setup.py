@@ -98,5 +98,5 @@ setup(
     ext_modules=[build_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.11", "numpy"],
 )
