@@ -43,7 +43,7 @@ def test_group_steps_read_one_sum():
 
 def test_the_own_copy_counts():
     check_mix_width(_dense(33), 0, 33, None, 0, ops.MAX_NEIGHBORS)  # 32 neighbours: exactly the limit
-    with pytest.raises(ValueError, match="mixes 32 neighbours at step 0 and its own public copy"):
+    with pytest.raises(ValueError, match="mixes 32 neighbours at step 0 and its own copy"):
         check_mix_width(_dense(33), 0, 33, None, 1, ops.MAX_NEIGHBORS)
     check_mix_width(T.make("ring", 100), 0, 100, None, 1, ops.MAX_NEIGHBORS)
     check_mix_width(T.make("one-peer-exp", 256), 0, 256, None, 1, ops.MAX_NEIGHBORS)
@@ -57,8 +57,9 @@ def test_adaptive_candidates_are_checked_each():
 
 def _build(rank, n, topology, options, limit):
     ops.MAX_NEIGHBORS = limit  # the kernels' 32, which 3 ranks cannot reach
-    if options.get("comm_dtype") == "int8":
-        options = {**options, "comm_dtype": torch.int8}
+    if "comm_dtype" in options:
+        options = {**options, "comm_dtype": {"int8": torch.int8, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}[options["comm_dtype"]]}
     try:
         decent_comm.DAdamW(torch.nn.Linear(3, 2).parameters(), topology=topology, timeout=30, **options)
         return "built"
@@ -70,8 +71,10 @@ def _build(rank, n, topology, options, limit):
     ("complete", dict(exchange="p2p"), 1, "rank 0 mixes 2 neighbours at step 0, but one mix reads at most 1"),
     ("complete", dict(), 1, None),  # one all-reduce of the three
     ("ring", dict(exchange="p2p"), 2, None),
-    ("ring", dict(comm_dtype="int8"), 2, "rank 0 mixes 2 neighbours at step 0 and its own public copy"),
+    ("ring", dict(comm_dtype="int8"), 2, "rank 0 mixes 2 neighbours at step 0 and its own copy"),
     ("ring", dict(exchange="p2p", delayed_mix=True), 2, "rank 0 mixes 2 neighbours at step 0 and its own"),
+    ("ring", dict(exchange="p2p", comm_dtype="bf16"), 2, "rank 0 mixes 2 neighbours at step 0 and its own copy"),
+    ("ring", dict(exchange="p2p", comm_dtype="fp16"), 2, "rank 0 mixes 2 neighbours at step 0 and its own copy"),
 ])
 def test_every_rank_refuses_at_construction(topology, options, limit, refused):
     for r, msg in enumerate(run_ranks(_build, 3, topology, options, limit, timeout=120)):

@@ -81,6 +81,52 @@ def test_a_state_tensor_given_other_storage_is_what_the_next_step_uses(pair, how
     assert float(o.state_dict()["state"][1][keys[0]].min()) == 7.0
 
 
+def _stack(seed):
+    """Three hidden layers of one width: three biases of one shape, whose state tensors can be swapped."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4),
+              torch.nn.Tanh(), torch.nn.Linear(4, 2)]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _skewed_steps(model, opt, start, stop):
+    """Steps in which bias k has no gradient before step k: the three biases' step counts differ."""
+    biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)][:3]
+    for t in range(start, stop):
+        x, y = batch(0, t)
+        opt.zero_grad()
+        ((model(x.double()) - y.double()) ** 2).mean().backward()
+        for k, b in enumerate(biases):
+            if t < k:
+                b.grad = None
+        opt.step()
+
+
+@pytest.mark.parametrize("how", STORAGE_EDITS)
+@pytest.mark.parametrize("names", [("exp_avg",), ("exp_avg", "step")], ids=["moments", "moments-and-counts"])
+@pytest.mark.parametrize("rotate", [2, 3], ids=["swap", "rotation"])
+def test_state_tensors_given_each_others_storage_take_each_others_values(rotate, names, how):
+    """ea.data, eb.data = eb.data, ea.data (or a rotation over three parameters): each new storage was another
+    state tensor's view, which the copy-in of an earlier one overwrote before it was read, so two parameters
+    stepped with one's moments (and counts)."""
+    model, ref = _stack(0), _stack(0)
+    opt, ropt = decent_comm.DAdamW(model.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    _skewed_steps(model, opt, 0, 4)
+    _skewed_steps(ref, ropt, 0, 4)
+    for o, m in ((opt, model), (ropt, ref)):
+        biases = [l.bias for l in m if isinstance(l, torch.nn.Linear)][:rotate]
+        for name in names:
+            ts = [o.state[b][name] for b in biases]
+            news = [t.data for t in ts[1:] + ts[:1]]
+            for t, new in zip(ts, news):
+                STORAGE_EDITS[how](t, new)
+    counts = [float(opt.state[l.bias]["step"]) for l in model if isinstance(l, torch.nn.Linear)][:3]
+    assert counts == [float(ropt.state[l.bias]["step"]) for l in ref if isinstance(l, torch.nn.Linear)][:3]
+    _skewed_steps(model, opt, 4, 7)
+    _skewed_steps(ref, ropt, 4, 7)
+    _assert_same_run(model, opt, ref, ropt, ("exp_avg", "exp_avg_sq"))
+
+
 def test_a_state_tensor_given_storage_of_another_shape_is_refused_by_name():
     model = make_model(0)
     opt = decent_comm.DAdamW(model.parameters(), lr=0.05)

@@ -26,18 +26,20 @@ def cluster(nodes, L):
     return ClusterConfig(nodes, L, 25 * GBIT, 600 * GBIT, 10e-6, 3e-6)
 
 
-def work(wire="fp32", exchange="auto"):
-    return Workload(params=65e6, compute=ComputeTime(0.1), bytes_per_param=BYTES[wire], exchange=exchange)
+def work(wire="fp32", exchange="auto", param_bytes=4):
+    return Workload(params=65e6, compute=ComputeTime(0.1), bytes_per_param=BYTES[wire], exchange=exchange,
+                    param_bytes=param_bytes)
 
 
-def optimizers_refuse(topo, exchange, wire, delayed_mix=False, limit=None) -> bool:
-    """What the optimizers do at construction (schedule.py): the 8-bit wire never groups; its copy and
-    delayed_mix's are one more buffer."""
+def optimizers_refuse(topo, exchange, wire, delayed_mix=False, limit=None, param_bytes=4) -> bool:
+    """What the optimizers do at construction (schedule.py): the 8-bit wire never groups; its copy, a wire
+    narrower than the parameters' copy (its point-to-point mix is in difference form) and delayed_mix's are one
+    more buffer."""
     n = topo.world_size
     groups = optim_plan.GroupSteps.scan(topo, 0, n, "p2p" if wire == "int8" else exchange)
+    own_copy = wire == "int8" or BYTES[wire] < param_bytes or delayed_mix
     try:
-        optim_plan.check_mix_width(topo, 0, n, groups, int(wire == "int8" or delayed_mix),
-                                   ops.MAX_NEIGHBORS if limit is None else limit)
+        optim_plan.check_mix_width(topo, 0, n, groups, int(own_copy), ops.MAX_NEIGHBORS if limit is None else limit)
     except ValueError:
         return True
     return False
@@ -61,6 +63,7 @@ CASES = [("complete", 1, 33), ("complete", 1, 34), ("complete", 10, 4), ("aer-pa
 @pytest.mark.parametrize("name, nodes, L", CASES)
 @pytest.mark.parametrize("wire, exchange, delayed", [("fp32", "auto", False), ("fp32", "p2p", False),
                                                      ("bf16", "auto", True), ("fp32", "p2p", True),
+                                                     ("bf16", "p2p", False),
                                                      ("int8", "p2p", False),
                                                      ("int8", "auto", False)])
 def test_the_planner_skips_what_the_optimizers_refuse(name, nodes, L, wire, exchange, delayed):
@@ -80,13 +83,13 @@ def listed(p):
             if q.kind.family != "allreduce"}
 
 
-def accepted(topo, limit=None):
+def accepted(topo, limit=None, param_bytes=4):
     """The recipes the optimizers build: gossip on `topo`, each wire under exchange auto as the recipes run, and
     periodic averaging, which is complete with atc and gossip_every=k (docs/time_to_target.md)."""
     complete = make_topology("complete", topo.world_size, topo.local_world_size)
     return {(k.family, topo.name if k.family == "gossip" else "complete", k.wire, k.delayed_mix) for k in RECIPES
             if k.family != "allreduce" and not optimizers_refuse(topo if k.family == "gossip" else complete, "auto",
-                                                                 k.wire, k.delayed_mix, limit)}
+                                                                 k.wire, k.delayed_mix, limit, param_bytes)}
 
 
 @pytest.mark.parametrize("name, nodes, L", [("complete", 10, 4), ("complete", 1, 33), ("aer-pair", 2, 17),
@@ -131,13 +134,13 @@ def test_a_wire_the_optimizers_refuse_is_not_priced_and_said_so():
 
 @pytest.mark.parametrize("limit", [2, 3])
 def test_delayed_mix_reads_one_buffer_more(monkeypatch, limit):
-    """ring reads 2 neighbours: under a limit of 2 the plain bf16 recipes fit, delayed_mix's and the 8-bit wire's
-    (the own copy too) do not; the kernels' real 32 needs 32 in-neighbours to show it."""
+    """ring reads 2 neighbours: under a limit of 2 the plain bf16 recipes of a bf16 model fit, delayed_mix's and the
+    8-bit wire's (the own copy too) do not; the kernels' real 32 needs 32 in-neighbours to show it."""
     from decent_comm.runtime_model import mix_width
     monkeypatch.setattr(mix_width, "MAX_MIX_BUFFERS", limit)
     topo = make_topology("ring", 8, 1)
-    p = plan(cluster(8, 1), work(), ["ring"], run_simulation=False)
-    assert listed(p) == accepted(topo, limit)
+    p = plan(cluster(8, 1), work(param_bytes=2), ["ring"], run_simulation=False)
+    assert listed(p) == accepted(topo, limit, param_bytes=2)
     assert any((k.wire, k.delayed_mix) == ("bf16", True) for k in RECIPES)
     assert (("gossip", "ring", "bf16", True) in listed(p)) == (limit == 3)
     assert any("delayed_mix not priced on ring" in note for note in p.notes) == (limit == 2)
@@ -154,3 +157,17 @@ def test_cli_reviewer_case():
     d = json.loads(out.getvalue())
     assert d["candidates"] == ["allreduce"] and "refuse it" in d["skipped"]["complete"]
     assert not [q for q in d["time_to_quality"] if q["family"] == "gossip"]
+
+
+def test_a_wire_narrower_than_the_parameters_reads_the_own_copy_too():
+    """A bf16 wire on fp32 parameters mixes point-to-point steps in difference form against the copy sent: on 33
+    ranks complete point to point passes with an fp32 wire (32 buffers) and is refused with bf16 (33), as the
+    optimizers refuse it; a bf16 model's bf16 wire is not narrower and passes."""
+    from decent_comm.runtime_model.mix_width import MixTooWide, check_mix_width
+    topo = make_topology("complete", 33, 33)
+    check_mix_width(work("fp32", "p2p"), topo)
+    check_mix_width(work("bf16", "p2p", param_bytes=2), topo)
+    with pytest.raises(MixTooWide, match=r"mixes 32 neighbours point to point at step 0 and its own copy \(a wire "
+                                         r"narrower than the parameters"):
+        check_mix_width(work("bf16", "p2p"), topo)
+    assert optimizers_refuse(topo, "p2p", "bf16") and not optimizers_refuse(topo, "p2p", "fp32")

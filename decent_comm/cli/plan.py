@@ -45,7 +45,7 @@ the same loss); if none reaches it, all topologies compete.  When a candidate
 would exceed the simulation budget (large clusters), nothing is simulated and
 the comparison is closed form.  A candidate decent_comm's optimizers would
 refuse (a mix of more than 32 buffers: complete point to point on 34+ ranks,
-over the int8 wire on 33+) is skipped with the reason, and so are such
+over the int8 or a narrower bf16 wire on 33+) is skipped with the reason, and so are such
 time-to-loss recipes.  At most {MAX_WORLD_SIZE} ranks (--nodes x
 --gpus-per-node).
 

@@ -211,7 +211,8 @@ def check_mix_width(topology: Topology, rank: int, world_size: int, groups: Opti
                     limit: int) -> None:
     """Refuses a schedule whose mix would read more than `limit` buffers in one call of the fused kernels
     (ops.MAX_NEIGHBORS): a rank's in-neighbours of a point-to-point step plus `extra` (1: the own copy that the
-    8-bit wire's and delayed_mix's mix reads too); a group step reads one sum. At construction, with what to do,
+    mix of the 8-bit wire, of a bf16/fp16 wire below the parameters' dtype and of delayed_mix reads too); a group
+    step reads one sum. At construction, with what to do,
     instead of at the first step. Every rank's row is checked, so all ranks refuse together, unless the schedule is
     too long to scan (period * world_size > MAX_SCAN): then this rank's own."""
     if world_size - 1 + extra <= limit:
@@ -227,7 +228,7 @@ def check_mix_width(topology: Topology, rank: int, world_size: int, groups: Opti
                 if width > limit:
                     raise ValueError(
                         f"topology {topo.name!r}: rank {r} mixes {width - extra} neighbours at step {t}"
-                        f"{' and its own public copy' if extra else ''}, but one mix reads at most {limit} buffers: "
+                        f"{' and its own copy' if extra else ''}, but one mix reads at most {limit} buffers: "
                         "use a sparser topology, or exchange='auto' where the step averages in groups (complete runs "
                         f"as one all-reduce; the 8-bit wire is point to point only, and groups are looked for only in "
                         f"schedules of period x world size <= {MAX_SCAN})")

@@ -84,7 +84,8 @@ class GossipSchedule(ScheduleCheckpoint):
             # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
             log.info("decent_comm: group all-reduce needs the default process group; gossip stays point to point")
             self.groups = None
-        check_mix_width(topology, rank, world_size, self.groups, int(self.wire is not None or cadence.delayed_mix),
+        check_mix_width(topology, rank, world_size, self.groups,
+                        int(self.wire is not None or cadence.delayed_mix or self.buffers.lossy),
                         ops.MAX_NEIGHBORS)
         self.exchange = None
         if world_size > 1:

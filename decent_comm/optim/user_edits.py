@@ -120,8 +120,12 @@ class StateWatch:
                  if not t.is_set_to(twin) and self._dicts[k].get(self._names[k]) is t]
         if any(t.shape != twin.shape for t, twin in moved):
             return False
-        for t, twin in moved:
-            twin.copy_(t.detach())
+        # Read every source before any view is written: one given another state tensor's memory (ea.data, eb.data
+        # = eb.data, ea.data; a rotation) was overwritten by an earlier copy (two parameters got one's moments).
+        ours = {twin.untyped_storage().data_ptr() for twin in self._twins}
+        sources = [t.detach().clone() if t.untyped_storage().data_ptr() in ours else t.detach() for t, _ in moved]
+        for (t, twin), source in zip(moved, sources):
+            twin.copy_(source)
             t.data = twin
         return True
 

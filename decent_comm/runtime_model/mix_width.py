@@ -30,7 +30,8 @@ class MixTooWide(ValueError):
 def check_mix_width(workload, topology, delayed_mix: bool = False) -> None:
     """Raises ``MixTooWide`` (why, and what to do) when decent_comm's optimizers would refuse ``topology`` under
     ``workload``'s exchange and wire (``delayed_mix``: with a delayed mix too)."""
-    own_copy = int(workload.wire_is_8bit or delayed_mix)
+    # the 8-bit wire, a wire narrower than the parameters (mixed in difference form) and delayed_mix read the own copy
+    own_copy = int(workload.wire_is_8bit or delayed_mix or workload.bytes_per_param < workload.param_bytes)
     n = topology.world_size
     if n - 1 + own_copy <= MAX_MIX_BUFFERS:  # no rank has more in-neighbours than n - 1
         return
@@ -40,7 +41,9 @@ def check_mix_width(workload, topology, delayed_mix: bool = False) -> None:
         grouped = scanned and workload_step_groups(workload, topology, table.step) is not None
         neighbours = 1 if grouped else table.links.max_indegree
         if neighbours + own_copy > MAX_MIX_BUFFERS:
-            copy = f" and its own copy ({'the 8-bit wire' if workload.wire_is_8bit else 'delayed_mix'})"
+            why = "the 8-bit wire" if workload.wire_is_8bit else "delayed_mix" if delayed_mix else \
+                "a wire narrower than the parameters, mixed in difference form"
+            copy = f" and its own copy ({why})"
             raise MixTooWide(
                 f"{topology.name} on {n} ranks: a rank mixes {neighbours} neighbours point to point at step "
                 f"{table.step}{copy if own_copy else ''}, but one mix reads at most {MAX_MIX_BUFFERS} buffers: "

@@ -26,7 +26,7 @@ every candidate is compared by its closed form (a note says so).
 
 **What the optimizers refuse.**  A candidate whose mix reads more buffers than
 the fused kernels take in one call (``mix_width``: more than 32 in-neighbours
-on a point-to-point step, 31 with the 8-bit wire; complete point to point on
+on a point-to-point step, 31 with the 8-bit or a narrower wire; complete point to point on
 34+ ranks) is skipped with the reason, before it is priced (so no step of a
 candidate reaches ``messages.MAX_MESSAGES``), and no time-to-quality recipe is
 priced that the optimizers would refuse (a wire's, delayed_mix's, or periodic
