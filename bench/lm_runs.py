@@ -19,7 +19,7 @@ def decentralized_adam_flags(allreduce_lr: float, nproc: int, accum_steps=None, 
     """train_lm's --lr (two significant digits, so the lr in a table is the lr that ran) and, for AccumAdamW
     (`accum_steps` given), --accum-steps and the per-window --betas, of a decentralized Adam-family run next to an
     all-reduce AdamW baseline at (`allreduce_lr`, betas (0.9, 0.999)). rule "sqrt" scales the lr as
-    decent_comm.decentralized_adam_hparams says (sqrt(n), or sqrt(n / accum_steps)); "none" keeps it."""
+    decent_comm.decentralized_adam_hparams says (sqrt(n), or sqrt(max(1, n / accum_steps))); "none" keeps it."""
     if rule not in ("sqrt", "none"):
         raise ValueError(f"unknown lr rule {rule!r} (use 'sqrt' or 'none')")
     hp = decent_comm.decentralized_adam_hparams(allreduce_lr, nproc, accum_steps=accum_steps or 1)
