@@ -224,24 +224,24 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
     `before_copy`: called once before the first copy (to complete the bucket's transfers: the copy writes it)."""
     for i, s in enumerate(b.slots):
         p = s.param
-        if p.dtype == b.dtype and p.device == b.device and tuple(p.shape) == s.shape:
-            view = b.view(b.flat, s)
-            if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
-                mine = {o.flat.untyped_storage().data_ptr() for o in (b, *siblings)}
-                if p.untyped_storage().data_ptr() in mine:
-                    raise RuntimeError(
-                        f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
-                        "with another parameter of this optimizer (tied after it was built, b.data = a.data; swapped, "
-                        "a.data, b.data = b.data, a.data) or is a view of its own memory in another layout (p.data = "
-                        "p.data.t()): tie parameters before building the optimizer (it takes a shared parameter once); "
-                        "swap or re-lay-out clones (a.data, b.data = b.data.clone(), a.data.clone())")
-                if before_copy is not None:
-                    before_copy()
-                    before_copy = None
-                view.copy_(p.detach())
-                p.data = view
-            continue
-        raise converted(b, i)
+        error = converted(b, i)
+        if error is not None:
+            raise error
+        view = b.view(b.flat, s)
+        if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
+            mine = {o.flat.untyped_storage().data_ptr() for o in (b, *siblings)}
+            if p.untyped_storage().data_ptr() in mine:
+                raise RuntimeError(
+                    f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
+                    "with another parameter of this optimizer (tied after it was built, b.data = a.data; swapped, "
+                    "a.data, b.data = b.data, a.data) or is a view of its own memory in another layout (p.data = "
+                    "p.data.t()): tie parameters before building the optimizer (it takes a shared parameter once); "
+                    "swap or re-lay-out clones (a.data, b.data = b.data.clone(), a.data.clone())")
+            if before_copy is not None:
+                before_copy()
+                before_copy = None
+            view.copy_(p.detach())
+            p.data = view
 
 
 def converted(b: Bucket, i: int) -> Optional[RuntimeError]:

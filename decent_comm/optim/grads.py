@@ -73,8 +73,9 @@ def zero_grads(buckets: List[Bucket], set_to_none: bool) -> None:
         return
     for b in buckets:
         for i, s in enumerate(b.slots):
-            if s.param.grad is not None and converted(b, i) is not None:
-                raise converted(b, i)
+            error = converted(b, i) if s.param.grad is not None else None
+            if error is not None:
+                raise error
     for b in buckets:
         b.grad.zero_()
         for s in b.slots:
