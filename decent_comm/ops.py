@@ -17,12 +17,12 @@ Parameters there; every written tensor's version counter is bumped, as torch's i
 
 The 8-bit wire dequantized inside the mix (every op, keyword-only): ``copies`` (float32 flat buffers, the public
 copies of decent_comm.optim.int8_wire) and ``payloads`` (one int8_encode_ payload per copy, whole, uint8) with
-``payload_offset`` (the payload element that x[0] corresponds to: a slice of a bucket passes its start) and
-``payload_block``. In the same pass over memory, each copy is first advanced by its payload, exactly as
-``int8_dequantize_add_`` would (copy[i] += level[offset + i] * scale, each rounded to float32: the sender's copy and
-this one keep the same bits), then mixed: the copies take weights[0:len(copies)], the neighbours the rest, in
-that order. All neighbours are then float32. The copies are written, so they may not share memory with x, the
-state or each other.
+``payload_offset`` (the payload element that x[0] corresponds to: a slice of a bucket passes its start; the end,
+payload_offset + len(x), at most ``MAX_PAYLOAD_ELEMENTS`` = 2^31 - 1) and ``payload_block``. In the same pass over
+memory, each copy is first advanced by its payload, exactly as ``int8_dequantize_add_`` would (copy[i] +=
+level[offset + i] * scale, each rounded to float32: the sender's copy and this one keep the same bits), then mixed:
+the copies take weights[0:len(copies)], the neighbours the rest, in that order. All neighbours are then float32.
+The copies are written, so they may not share memory with x, the state or each other.
 
 Mixed precision without host synchronization (the optimizer ops, keyword-only, all optional, each a 1-element
 tensor on x's device):
@@ -56,6 +56,10 @@ _ops = torch.ops.decent_comm
 
 #: Most neighbours one call accepts.
 MAX_NEIGHBORS = 32
+#: Most payload elements one call's ``payloads=`` address: payload_offset + len(x) must not exceed it. The CUDA
+#: kernels index a payload in 32 bits, and csrc/op_call.cpp (OpCall::set_payloads) refuses more on every device, so
+#: the 8-bit wire's buckets (decent_comm.optim.int8_wire.check_bucket_sizes) hold at most this many elements.
+MAX_PAYLOAD_ELEMENTS = 2 ** 31 - 1
 
 _INT64_MAX = 2 ** 63 - 1
 

@@ -23,7 +23,7 @@ import torch
 
 from .. import ops
 from ..exchange import MAX_BUCKETS
-from . import amp, diagnostics
+from . import amp, diagnostics, int8_wire
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
 from .buckets import (Bucket, build_buckets, count_on_device, count_steps, refine_classes, check_unwritten,
@@ -88,7 +88,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                                  "defeats)")
             self._check_group_options(self.param_groups)
             topology = resolve_topology(topology, self.world_size, process_group)
-            self._buckets: List[Bucket] = build_buckets(self.param_groups, bucket_cap_mb)
+            self._buckets: List[Bucket] = build_buckets(
+                self.param_groups, bucket_cap_mb, int8_wire.check_bucket_sizes if comm_dtype == torch.int8 else None)
             if self.world_size > 1 and len(self._buckets) > MAX_BUCKETS:  # else the step that reached it failed
                 raise ValueError(f"{len(self._buckets)} buckets (bucket_cap_mb={bucket_cap_mb}): the exchange takes "
                                  f"at most {MAX_BUCKETS}; raise bucket_cap_mb (or use fewer param groups)")

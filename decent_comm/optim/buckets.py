@@ -91,10 +91,12 @@ def _aligned(n: int, element_size: int) -> int:
     return (n + per - 1) // per * per
 
 
-def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket]:
+def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
+                  check: Optional[Callable[[List[Bucket]], None]] = None) -> List[Bucket]:
     """Assigns every parameter to a bucket (one param group, device and dtype per bucket, in parameter
     order) and moves it into the bucket's flat buffers. Parameter order is kept, so buckets follow the
-    order in which a model's modules use them (model.parameters() order)."""
+    order in which a model's modules use them (model.parameters() order). `check` sees the layout (slots and
+    sizes) before any buffer is allocated, so that what it refuses costs no memory."""
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
             not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
@@ -129,6 +131,8 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float) -> List[Bucket
                                 tuple(p.shape)))
             b.numel += size
     check_no_shared_memory([s.param for b in buckets for s in b.slots])
+    if check is not None:
+        check(buckets)
     for b in buckets:
         _materialize(b)
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)

@@ -56,6 +56,33 @@ def dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = BLOC
     ops.int8_dequantize_add_(copy, payload, block)
 
 
+def check_bucket_sizes(buckets) -> None:
+    """Refuses, with a ValueError saying what to do, a bucket the fused mix cannot take the payloads of: more than
+    ops.MAX_PAYLOAD_ELEMENTS (2^31 - 1) elements, the kernels' 32-bit payload index. Called on the layout, before any
+    buffer is allocated (buckets.build_buckets' check), at any world size as startup.check_options (a script that
+    works on one rank must not fail on the first multi-rank run). Else the refusal came at the first mix, after the
+    copies were allocated, saying to split a bucket even when it is one parameter."""
+    limit = ops.MAX_PAYLOAD_ELEMENTS
+    for b in buckets:
+        if b.numel <= limit:
+            continue
+        wire = f"the 8-bit wire (comm_dtype=torch.int8) takes buckets of at most {limit} elements (the mix kernels " \
+               "index its payloads in 32 bits)"
+        # each slot's extent in the bucket (its parameter, aligned to 16 bytes): one beyond the limit fills a bucket
+        ends = [s.offset for s in b.slots[1:]] + [b.numel]
+        span, big = max(((end - s.offset, s) for end, s in zip(ends, b.slots)), key=lambda t: t[0])
+        if span > limit:
+            raise ValueError(
+                f"a parameter of shape {big.shape} ({b.dtype}) in param group {b.group_index} has {big.numel} "
+                f"elements{f' ({span} aligned in its bucket)' if span != big.numel else ''}, but {wire}, and a "
+                "bucket holds a parameter whole: a parameter that large cannot use the 8-bit wire; use another "
+                "comm_dtype (torch.bfloat16 sends half of float32's bytes) or split the parameter")
+        raise ValueError(
+            f"bucket {b.index} (param group {b.group_index}, {len(b.slots)} parameters of {b.dtype}) holds {b.numel} "
+            f"elements, but {wire}: use a bucket_cap_mb below {(limit + 1) * b.dtype.itemsize / 2**20:g}, or "
+            "another comm_dtype")
+
+
 def _key(ranks) -> str:
     return "_".join(str(r) for r in ranks)
 

@@ -30,7 +30,10 @@ on a point-to-point step, 31 with the 8-bit or a narrower wire; complete point t
 34+ ranks) is skipped with the reason, before it is priced (so no step of a
 candidate reaches ``messages.MAX_MESSAGES``), and no time-to-quality recipe is
 priced that the optimizers would refuse (a wire's, delayed_mix's, or periodic
-averaging's, which runs complete: with a note).
+averaging's, which runs complete: with a note). The 8-bit wire's bucket limit (2^31 - 1 elements,
+``decent_comm.ops.MAX_PAYLOAD_ELEMENTS``) is not checked: the workload has the parameter count, not the
+parameters' sizes or the optimizers' ``bucket_cap_mb`` (at their default 25 MiB, only a parameter of 2^31
+elements or more is refused).
 
 Default candidates: one-peer-exp, one-peer-hypercube (only when the number of
 ranks is a power of two), exp, ring, aer and aer-pair (only when the number of
