@@ -174,6 +174,14 @@ def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, blo
     bfloat16, float16 (or float64 on CPU). Every float operation is one IEEE operation with its own rounding (no
     FMA), so a receiver's int8_dequantize_add_ leaves its copy bit-identical to the sender's, on any CPU or GPU.
     A non-finite value makes its block's scale, and so the copies of that block, NaN.
+
+    The new copy differs from x by at most absmax / 254 per element (half a level, to the float32 roundings: within
+    absmax / 254 x (1 + 1e-4), tested), plus the rounding of the copy itself to float32 (half an ulp of it), for a
+    block whose absmax is at least 127 / FLT_MAX = 3.7321948e-37 and whose new copies are finite. Below that absmax
+    (an all-subnormal block) 127 / absmax overflows: every nonzero element gets level +-127 and its copy moves by
+    +-absmax (to the scale's rounding), an error up to absmax (< 3.74e-37) instead. A copy overflows to +-inf where
+    x plus the error passes FLT_MAX: from a zero copy only in a block whose absmax is FLT_MAX itself, from another
+    for an element within absmax / 254 of +-FLT_MAX.
     """
     _ops.int8_encode_(x, copy, payload, _int64("block", block))
 

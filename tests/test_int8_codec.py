@@ -107,6 +107,50 @@ def test_a_non_finite_value_poisons_its_block_only(device):
         assert np.array_equal(copy.cpu()[keep].numpy(), want_copy[keep.numpy()])
 
 
+FLT_MAX = np.finfo(np.float32).max
+#: the smallest float32 absmax whose 127 / absmax is finite (127 / FLT_MAX, rounded)
+LOWEST = np.float32(3.7321948e-37)
+
+
+def _encode_block(d, device):
+    """The copy (float64) and levels of one block of d encoded from a zero copy."""
+    x = torch.from_numpy(np.asarray(d, np.float32)).to(device)
+    copy = torch.zeros_like(x)
+    payload = torch.empty(ops.int8_payload_nbytes(x.numel()), dtype=torch.uint8, device=device)
+    ops.int8_encode_(x, copy, payload)
+    return copy.cpu().numpy().astype(np.float64), _levels_scales(payload.cpu(), 512)[0][:x.numel()].numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_error_bound_holds_from_127_over_flt_max_to_below_flt_max(device):
+    """The documented contract (ops.int8_encode_, docs/api.md): |copy - x| <= absmax / 254 (to the float32 roundings)
+    for a block whose absmax is in [127 / FLT_MAX, FLT_MAX); below it every nonzero element goes to +-127 (error up
+    to absmax, < 3.74e-37); at FLT_MAX the copies of its +-FLT_MAX elements are +-inf."""
+    with np.errstate(over="ignore"):
+        assert np.isfinite(np.float32(127) / LOWEST)
+        assert not np.isfinite(np.float32(127) / np.nextafter(LOWEST, np.float32(0)))
+    rng = np.random.default_rng(0)
+    below_max = np.nextafter(FLT_MAX, np.float32(0))
+    for absmax in [LOWEST, np.float32(1e-36), np.float32(1.0), below_max] + \
+            list(np.float32(10.0 ** rng.uniform(-36.4, 38.5, 40))):
+        a = np.float64(absmax)
+        d = rng.uniform(-a, a, 512)
+        d[:64] = (rng.integers(-126, 126, 64) + 0.5) * (a / 127)  # half-way between levels: the largest error
+        d[64], d[65] = a, -a
+        d = np.clip(d.astype(np.float32), -absmax, absmax)
+        copy, _ = _encode_block(d, device)
+        assert np.isfinite(copy).all(), absmax
+        assert np.abs(copy - d).max() <= a / 254 * (1 + 1e-4), absmax
+    for d in [rng.standard_normal(512) * 1e-40, [1e-37, 0.5e-37, 1e-39, -0.75e-37, 0.0],  # subnormal; normal, below
+              [np.nextafter(LOWEST, np.float32(0)), -1e-38, 0.0]]:
+        d = np.asarray(d, np.float32)
+        copy, levels = _encode_block(d, device)
+        assert np.array_equal(levels, np.sign(d) * 127)
+        assert np.abs(copy - d).max() < np.abs(d).max() <= 3.74e-37
+    copy, _ = _encode_block([FLT_MAX, -FLT_MAX, 1.0, 0.5], device)
+    assert copy[:2].tolist() == [np.inf, -np.inf] and copy[2:].tolist() == [0.0, 0.0]
+
+
 def test_threads_give_the_same_bits():
     n = 1_000_003
     x, copy = _case(n, 3)

@@ -17,7 +17,8 @@ costs no pass of its own. The mix uses the copies in difference form,
 which moves the mean of the replicas exactly as the full-precision mix (W doubly stochastic). As the copies
 track the parameters (each round's quantization error is left in x - s and sent again at the next round), it
 is the full-precision mix up to the quantization error of the last delta: at most |x - s|_max / 254 per element
-of a block. The first round sends x itself (the copies start at zero).
+of a block whose |x - s|_max is at least 3.73e-37 and whose copies stay finite (decent_comm.ops.int8_encode_ says
+what happens outside). The first round sends x itself (the copies start at zero).
 
 Bytes on the wire: numel (padded to a block) + 4 per block, about 0.25x fp32 and 0.5x bf16. Memory: one float32
 copy of the bucket per send set and per (neighbour, send set): ring 3, one-peer-exp and one-peer-hypercube
