@@ -95,6 +95,15 @@ DC_HD M unscale_grad(const Hyper<M>& h, M g) { return g * h.inv_grad_scale; }
 DC_HD float dc_sqrt(float v) { return ::sqrtf(v); }
 DC_HD double dc_sqrt(double v) { return ::sqrt(v); }
 
+// g + decay * x and y - decay * x, or g and y unchanged when decay is 0, as torch.optim skips a weight decay of 0:
+// 0 * x is NaN for an infinite x, which would reach the optimizer state (torch leaves an infinite parameter
+// infinite and its state finite). A select on a coefficient that is the same for every element, so loops stay
+// vectorized; finite values give the same bits either way (up to the sign of a zero).
+template <typename M>
+DC_HD M with_decay(M g, M decay, M x) { return decay != M(0) ? g + decay * x : g; }
+template <typename M>
+DC_HD M without_decay(M y, M decay, M x) { return decay != M(0) ? y - decay * x : y; }
+
 // ---- Updates. Each: kHasGrad, kNumState, and apply(h, x_old, mixed, g, s) -> x_new, updating s[]. ----
 
 // Pure gossip averaging: x_new = mixed.
@@ -111,7 +120,7 @@ struct SgdUpdate {
   static constexpr int kNumState = 0;
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M*) {
-    return mixed - h.lr * (g + h.weight_decay * x_old);
+    return mixed - h.lr * with_decay(g, h.weight_decay, x_old);
   }
 };
 
@@ -123,7 +132,7 @@ struct SgdMomentumUpdate {
   static constexpr int kNumState = 1;
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
-    g = g + h.weight_decay * x_old;
+    g = with_decay(g, h.weight_decay, x_old);
     const M b = h.first_step ? g : h.momentum * s[0] + h.one_minus_dampening * g;
     s[0] = b;
     const M d = h.nesterov ? g + h.momentum * b : b;
@@ -138,7 +147,7 @@ struct AdamUpdate {
   static constexpr int kNumState = 2;
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
-    g = g + h.l2_decay * x_old;
+    g = with_decay(g, h.l2_decay, x_old);
     // torch: exp_avg.lerp_(g, 1 - beta1), in lerp's form for weights < 0.5. (torch switches to the form exact at
     // weight 1 from 0.5 on; here that costs 3-8 registers in the half-precision kernels, so for beta1 <= 0.5 and
     // |g| << |exp_avg| m carries an absolute error of an ulp of exp_avg.)
@@ -146,7 +155,7 @@ struct AdamUpdate {
     const M v = h.beta2 * s[1] + h.one_minus_beta2 * g * g;
     s[0] = m;
     s[1] = v;
-    return mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps) - h.decoupled_decay * x_old;
+    return without_decay(mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps), h.decoupled_decay, x_old);
   }
 };
 
@@ -158,10 +167,10 @@ struct AccumAdamUpdate {
   static constexpr int kNumState = 3;
   template <typename M>
   static DC_HD M apply(const Hyper<M>& h, M x_old, M mixed, M g, M* s) {
-    g = g + h.l2_decay * x_old;
+    g = with_decay(g, h.l2_decay, x_old);
     const M m = h.beta1 * s[0] + h.one_minus_beta1 * g;
     const M v = h.beta2 * s[1] + h.one_minus_beta2 * g * g;
-    const M x = mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps) - h.decoupled_decay * x_old;
+    const M x = without_decay(mixed - h.step_size * m / (dc_sqrt(v) / h.bc2_sqrt + h.eps), h.decoupled_decay, x_old);
     const M a = s[2] + g / h.accum_steps;
     // Selects rather than an if-block, so the loop around this stays branch-free (vectorizable).
     const M slow_m = h.beta1 * s[0] + h.one_minus_beta1 * a;
