@@ -217,7 +217,7 @@ void OpCall::set_amp(const std::optional<at::Tensor>& grad_scale, const std::opt
   if (readable_now(c)) {
     TORCH_CHECK(load_count(ops_.scalars.step_count, ops_.scalars.count_dtype) >= 0, op_, ": state_step holds ",
                 c.item(), ", which is not a count of applied updates: an integer in [0, 2^",
-                count_limit_log2(ops_.scalars.count_dtype), ") for ", dtype, " (beyond float32's 2^24 use int64)");
+                count_limit_log2(ops_.scalars.count_dtype), "] for ", dtype);
   }
   outputs_.emplace_back("state_step", &c);
 }

@@ -35,9 +35,10 @@ tensor on x's device):
   applied *before* this call (0 initially), in place of the host ``step`` (pass ``step=None``). The kernel
   computes the bias corrections (AccumAdam: the window count and flush; SGD: the first-step momentum
   initialization) from count + 1, and the op then advances it by one unless the update was skipped. Pass the
-  same tensor again next step. Counts below 2^24 (float32), 2^53 (float64) or 2^62 (int64) are valid. On CPU
-  an invalid count (negative, fractional, NaN, past the limit) raises; on a GPU it cannot be checked without a
-  synchronization, and it turns x into NaN instead of a plausible wrong update.
+  same tensor again next step. Counts up to 2^24 (float32), 2^53 (float64) or 2^62 (int64) are valid; there
+  the count stops and the updates go on with t = the limit, as torch.optim's float32 ``step`` stops at 2^24. On
+  CPU an invalid count (negative, fractional, NaN, past the limit) raises; on a GPU it cannot be checked without
+  a synchronization, and it turns x into NaN instead of a plausible wrong update.
 Every element of one call shares one count, so an optimizer needs one count per group of parameters with the
 same update history. On CPU grad_scale must be finite and > 0 (checked; on a GPU it is GradScaler's). Nothing
 here reads a device value on the host, so the calls capture into CUDA graphs. On a GPU a call with any of these

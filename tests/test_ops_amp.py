@@ -160,6 +160,20 @@ def test_an_int64_count_counts_past_float32_exactly():
         assert int(count) == applied + 1
 
 
+@pytest.mark.parametrize("op", ["sgd", "adam", "accum"])
+def test_a_float32_count_stops_at_2_pow_24_as_torch_optims_does(op):
+    """torch.optim's float32 state["step"] stops at 2^24 (2^24 + 1 rounds back to it) and torch goes on stepping with
+    t = 2^24: so does a float32 count here, from 2^24 - 1 (the last exact increment) and from 2^24 itself."""
+    for applied in [2 ** 24 - 1, 2 ** 24]:
+        plain, tp, _ = _optimizer_call(op, 301, gen(7))
+        amp, ta, _ = _optimizer_call(op, 301, gen(7))
+        count = torch.tensor(float(applied), dtype=torch.float32)
+        plain(**host_step(op, 2 ** 24))
+        amp(**device_step(op, count))
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(tp["state"] + [tp["x"]], ta["state"] + [ta["x"]]))
+        assert float(count) == 2 ** 24
+
+
 def test_accum_adam_under_amp_matches_the_reference_that_skips_overflow_steps():
     """Ten steps with a scale of 2^10 and three overflows: skipped steps neither accumulate nor move the window."""
     n, K, scale = 2053, 3, 2.0 ** 10

@@ -266,8 +266,8 @@ def test_a_grad_scale_that_is_not_positive_and_finite_is_refused_on_cpu(op, valu
 
 @pytest.mark.parametrize("op", OPTIMIZERS)
 @pytest.mark.parametrize("count", [torch.tensor(-1.0), torch.tensor(1.5), torch.tensor(NAN),
-                                   torch.tensor(2.0 ** 24), torch.tensor(2 ** 62), torch.tensor(-3)],
-                         ids=["negative", "fractional", "nan", "float32-2^24", "int64-2^62", "int64-negative"])
+                                   torch.tensor(2.0 ** 24 + 2), torch.tensor(2 ** 62 + 1), torch.tensor(-3)],
+                         ids=["negative", "fractional", "nan", "float32-past-2^24", "int64-past-2^62", "int64-negative"])
 def test_a_state_step_that_is_no_count_is_refused_on_cpu(op, count):
     args = {**operands(op), "state_step": count}
     if op != "sgd":

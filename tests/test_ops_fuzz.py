@@ -92,7 +92,7 @@ def build(c):
     step = c["step"]
     count_dtype = amp["count_dtype"]
     if count_dtype is torch.float32 and step - 1 >= 2 ** 24 or count_dtype is torch.float64 and step - 1 >= 2 ** 53:
-        count_dtype = torch.int64  # beyond what the dtype counts exactly (refused, tested in test_ops_bad_input)
+        count_dtype = torch.int64  # where the dtype's count stops (test_ops_amp) or is refused (test_ops_bad_input)
     if count_dtype is not None:
         a["state_step"] = torch.tensor(step - 1, dtype=count_dtype)
     if c["op"] == "sgd":

@@ -56,6 +56,27 @@ def test_under_grad_scaler_equals_torch_optimizer(name, device):
                 torch.testing.assert_close(mine[key], theirs[key], rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("name", ["DAdam", "DAdamW", "DSGD"])
+def test_step_counts_past_2_pow_24_go_on_as_torch_optimizers_do(name):
+    """A float32 state["step"] stops at 2^24 in torch.optim, which keeps stepping with t = 2^24; ours keep their
+    counts in float32 tensors too, read by the kernels under GradScaler (a long run, or a count written in place)."""
+    m_ours, ours, m_torch, ref = make_pair(name, "cpu")
+    scalers = [run_scaled(m, opt, "cpu", steps=2)[1] for m, opt in [(m_ours, ours), (m_torch, ref)]]
+    for p, q in zip(m_ours.parameters(), m_torch.parameters()):
+        if q in ref.state:  # a parameter stepped so far (torch's SGD keeps no count: only ours is moved)
+            ours.state[p]["step"].fill_(2 ** 24 - 2)
+            if "step" in ref.state[q]:
+                ref.state[q]["step"].fill_(2 ** 24 - 2)
+    got = run_scaled(m_ours, ours, "cpu", start=5, scaler=scalers[0])[0]
+    want = run_scaled(m_torch, ref, "cpu", start=5, scaler=scalers[1])[0]
+    assert_params_close(name, got, want)
+    stepped = [float(ours.state[p]["step"]) for p in m_ours.parameters()]
+    assert stepped.count(2 ** 24) >= 1, stepped
+    for p, q in zip(m_ours.parameters(), m_torch.parameters()):
+        if "step" in ref.state[q]:
+            assert float(ours.state[p]["step"]) == float(ref.state[q]["step"])
+
+
 @contextlib.contextmanager
 def no_host_reads(device):
     """Raises on anything that reads a tensor's value on the host (a device synchronization on a GPU)."""

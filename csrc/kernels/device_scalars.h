@@ -27,20 +27,26 @@ struct DeviceScalars {
   DC_HD bool any() const { return grad_scale != nullptr || found_inf != nullptr || step_count != nullptr; }
 };
 
-// Exclusive upper bound of a valid stored count, as a power of two: below it count + 1 is exact in the dtype
-// (float32: 2^24, float64: 2^53); int64 stops at 2^62, far from overflow.
+// The largest count, as a power of two: float32 2^24, where torch.optim's float32 state["step"] stops (2^24 + 1
+// rounds back to 2^24, so torch goes on stepping with t = 2^24; so does this), float64 2^53, int64 2^62.
 DC_HD int count_limit_log2(CountDType d) { return d == CountDType::Float32 ? 24 : d == CountDType::Float64 ? 53 : 62; }
 
-// The stored count, or -1 when it is not an integer in [0, 2^count_limit_log2) (a NaN included).
+// The stored count, or -1 when it is not an integer in [0, 2^count_limit_log2] (a NaN included).
 DC_HD int64_t load_count(const void* p, CountDType d) {
   const int64_t limit = int64_t(1) << count_limit_log2(d);
   if (d == CountDType::Int64) {
     const int64_t v = *static_cast<const int64_t*>(p);
-    return v >= 0 && v < limit ? v : -1;
+    return v >= 0 && v <= limit ? v : -1;
   }
   const double v = d == CountDType::Float32 ? double(*static_cast<const float*>(p)) : *static_cast<const double*>(p);
-  const bool valid = v >= 0 && v < double(limit) && v == ::floor(v);  // false for NaN
+  const bool valid = v >= 0 && v <= double(limit) && v == ::floor(v);  // false for NaN
   return valid ? int64_t(v) : -1;
+}
+
+// The number of this update: count + 1, which stays at the limit once the count reached it.
+DC_HD int64_t next_count(int64_t applied, CountDType d) {
+  const int64_t limit = int64_t(1) << count_limit_log2(d);
+  return applied < limit ? applied + 1 : limit;
 }
 
 DC_HD void store_count(void* p, CountDType d, int64_t v) {
@@ -63,7 +69,7 @@ DC_HD bool resolve_update(const HyperParams& host, const DeviceScalars& s, Hyper
   if (s.step_count != nullptr) {
     const int64_t applied = load_count(s.step_count, s.count_dtype);
     if (applied >= 0) {
-      set_step_count(out, applied + 1);
+      set_step_count(out, next_count(applied, s.count_dtype));
     } else {
       out.lr = out.step_size = NAN;  // NAN, not numeric_limits: callable on the device without --expt-relaxed-constexpr
     }
@@ -71,13 +77,13 @@ DC_HD bool resolve_update(const HyperParams& host, const DeviceScalars& s, Hyper
   return true;
 }
 
-// After the update: count += 1, unless the update was skipped (or the count is not valid; it then stays as it is).
-// Runs once per call, after every read of the count: on the CPU after the update, on the GPU in the one-thread
-// kernel that resolved the call (the update kernels read the resolved copy, never the count itself).
+// After the update: count += 1 (up to the limit), unless the update was skipped (or the count is not valid; it then
+// stays as it is). Runs once per call, after every read of the count: on the CPU after the update, on the GPU in the
+// one-thread kernel that resolved the call (the update kernels read the resolved copy, never the count itself).
 DC_HD void advance_count(const DeviceScalars& s) {
   if (s.step_count == nullptr || update_skipped(s)) return;
   const int64_t applied = load_count(s.step_count, s.count_dtype);
-  if (applied >= 0) store_count(s.step_count, s.count_dtype, applied + 1);
+  if (applied >= 0) store_count(s.step_count, s.count_dtype, next_count(applied, s.count_dtype));
 }
 
 }  // namespace decent_comm
