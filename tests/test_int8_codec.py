@@ -151,6 +151,46 @@ def test_the_error_bound_holds_from_127_over_flt_max_to_below_flt_max(device):
     assert copy[:2].tolist() == [np.inf, -np.inf] and copy[2:].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_non_finite_blocks_anywhere_in_a_thread_range(device, x_dtype, threads):
+    # Each block's scale and levels come from its own values only, wherever it lies in a thread's range of blocks
+    # and whatever its neighbours hold: bad blocks first, in a row, alternating, the last whole block before a short
+    # one, and the short last block itself, split over 1-2 threads (the CPU's fast path for finite blocks and its
+    # clamping path for the others).
+    if x_dtype not in DTYPES[device]:
+        pytest.skip("float64 has no CUDA kernel")
+    block, nblocks = 64, 41
+    n = (nblocks - 1) * block + 9
+    bad_blocks = [0, 5, 6, 7, 10, 12, 14, 39, 40]
+    x, copy = _case(n, 5, x_dtype, device)
+    for i, b in enumerate(bad_blocks):
+        x[b * block + (i * 7) % 9] = [float("nan"), float("inf"), -float("inf")][i % 3]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = copy.clone()
+        payload = torch.empty(ops.int8_payload_nbytes(n, block), dtype=torch.uint8, device=device)
+        ops.int8_encode_(x, got, payload, block)
+    finally:
+        torch.set_num_threads(before)
+    bad = torch.zeros(n, dtype=torch.bool)
+    for b in bad_blocks:
+        bad[b * block:(b + 1) * block] = True
+    clean = x.clone()
+    clean[bad.to(device)] = 0
+    want_copy, want_q, want_scale = _model(clean, copy, block)
+    q, scale = _levels_scales(payload.cpu(), block)
+    good_blocks = [b for b in range(nblocks) if b not in bad_blocks]
+    assert np.array_equal(scale[good_blocks].numpy(), want_scale[good_blocks])
+    assert not torch.isfinite(scale[bad_blocks]).any()
+    assert np.array_equal(q[:n][~bad].numpy(), want_q[~bad.numpy()])
+    assert np.array_equal(got.cpu()[~bad].numpy(), want_copy[~bad.numpy()])
+    assert got.cpu()[bad].isnan().all(), "a bad value's block is NaN on both ends"
+    assert (q[n:] == 0).all(), "the padding of the last block must be 0"
+
+
 def test_threads_give_the_same_bits():
     n = 1_000_003
     x, copy = _case(n, 3)
