@@ -15,6 +15,10 @@ BoundedAllReduce, with nothing in flight, is only released then) or, if still al
 Draining is safe at both points: every rank launched the same exchange, so each transfer in flight has its matching
 one posted on the peer.
 
+An optimizer registers too (``track_owner``), as its own shutdown uses its exchange (ATC applies the last step's
+pending mix: decent_comm.optim.teardown): at exit the owners are shut down first, then the exchangers (an owner
+registers after the exchangers it creates, so creation order alone would close its exchange under it).
+
 The atexit hook is registered when the first exchanger is created, i.e. after torch and the process group
 are set up, so it runs before every atexit hook registered earlier (atexit is LIFO; torch registers none
 that tears process groups down) and while the process group and the interpreter are fully alive. It drains
@@ -40,34 +44,46 @@ log = logging.getLogger("decent_comm")
 
 _lock = threading.Lock()
 _open = []           # weak references to the exchangers created so far, in creation order
+_owners = []         # weak references to the owners (optimizers' schedules) of exchangers, in creation order
 _registered = False
+OWNER = "an optimizer nobody shut down"  # what the log calls an owner whose shutdown failed
 
 
-def track(exchanger) -> None:
-    """Registers `exchanger` (an object with ``shutdown()``) to be closed at exit if it is still open."""
+def _add(refs: list, obj) -> None:
     global _registered
     with _lock:
-        _open[:] = [r for r in _open if r() is not None]
-        _open.append(weakref.ref(exchanger))
+        refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(obj))
         if not _registered:
             atexit.register(_close_all_at_exit)
             _registered = True
 
 
-def close_quietly(exchanger, when: str) -> None:
+def track(exchanger) -> None:
+    """Registers `exchanger` (an object with ``shutdown()``) to be closed at exit if it is still open."""
+    _add(_open, exchanger)
+
+
+def track_owner(owner) -> None:
+    """Registers `owner` (an object with ``shutdown()`` that uses exchangers) to be shut down at exit, if still
+    alive, before any exchanger is closed."""
+    _add(_owners, owner)
+
+
+def close_quietly(exchanger, when: str, name: str = "") -> None:
     """``exchanger.shutdown()``; a failure (a peer died) is logged, never raised (``__del__``, atexit)."""
     try:
         exchanger.shutdown()
     except Exception as e:  # noqa: BLE001 - at exit or in __del__ there is nobody to raise to
-        log.warning("decent_comm: closing %s %s failed: %s", type(exchanger).__name__, when, e)
+        log.warning("decent_comm: closing %s %s failed: %s", name or type(exchanger).__name__, when, e)
 
 
-def close_on_collect(exchanger) -> None:
-    """For ``__del__``: drain and close unless the interpreter is already finalizing (then the atexit hook
-    has run: the exchanger was left open because the process is dying of an exception)."""
+def close_on_collect(exchanger, name: str = "") -> None:
+    """For ``__del__`` (or a weakref.finalize): drain and close unless the interpreter is already finalizing (then
+    the atexit hook has run: the exchanger was left open because the process is dying of an exception)."""
     if sys.is_finalizing():
         return
-    close_quietly(exchanger, "when it was garbage collected")
+    close_quietly(exchanger, "when it was garbage collected", name)
 
 
 def _dying_of_an_exception() -> bool:
@@ -99,8 +115,12 @@ def _close_all_at_exit() -> None:
     if _dying_of_an_exception():
         return  # do not wait for peers that may never answer
     with _lock:
-        alive = [r() for r in _open]
+        owners, alive = [r() for r in _owners], [r() for r in _open]
+        _owners.clear()
         _open.clear()
+    for owner in owners:  # first: their shutdown uses their exchangers (ATC's pending mix)
+        if owner is not None:
+            close_quietly(owner, "at exit", OWNER)
     for exchanger in alive:  # creation order, the same on every rank
         if exchanger is not None:
             close_quietly(exchanger, "at exit")

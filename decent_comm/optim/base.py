@@ -33,6 +33,7 @@ from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
+from .teardown import shut_down_when_dropped
 from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
@@ -123,6 +124,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             process_group=process_group, consensus=consensus, lr=_lr_of(weakref.ref(self)), comm_dtype=comm_dtype,
             timeout=timeout, exchange=exchange, track_disagreement=track_disagreement, check_finite=check_finite,
             cadence=cadence)
+        shut_down_when_dropped(self, self._schedule)  # ATC: the pending mix, applied even without shutdown()
         if mode == "atc":
             self._schedule.attach(model)
         self._show_schedule()
