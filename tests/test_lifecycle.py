@@ -1,6 +1,7 @@
 """Optimizers in long-lived processes (sweeps, notebooks, in-process retries, Ctrl-C handlers): a dropped optimizer
 is freed when its last reference goes, as torch's are; a process group destroyed and created again after a failed
-construction lets the ranks build optimizers together again; Ctrl-C during step() leaves the step whole."""
+construction lets the ranks build optimizers together again; a group destroyed under a running optimizer is named as
+such by its next step or utility; Ctrl-C during step() leaves the step whole."""
 
 import gc
 import os
@@ -73,6 +74,39 @@ def test_ranks_build_together_again_after_the_group_is_created_again():
     name, rank 0 stayed one construction ahead for good and every later one timed out, blaming ranks that came."""
     assert run_ranks(_retry_after_a_failed_construction, 2, timeout=120) == [["ExchangeTimeout", "trained"],
                                                                              ["ValueError", "trained"]]
+
+
+def _destroyed_under_the_optimizer(rank, n):
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    for k, mode in enumerate(("awc", "atc")):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        opt = decent_comm.DAdamW(model.parameters(), mode=mode, topology="ring", timeout=10)
+        step = lambda: (model(torch.randn(2, 4)).sum().backward(), opt.step(), opt.zero_grad())  # noqa: E731
+        for _ in range(2):
+            step()
+        dist.destroy_process_group()  # without opt.shutdown() first
+        for when in ("destroyed", "created again"):
+            for name, call in [("step", step), ("synchronize", opt.synchronize),
+                               ("consensus_distance", opt.consensus_distance)]:
+                try:
+                    call()
+                    out[(mode, when, name)] = "no error"
+                except Exception as e:  # noqa: BLE001 - the test compares what each call raised
+                    out[(mode, when, name)] = f"{type(e).__name__}: {e}"
+            if when == "destroyed":  # a new default group: the optimizer's own is still gone
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"again{k}", store), rank=rank, world_size=n)
+        opt.shutdown()
+    return out
+
+
+def test_a_destroyed_process_group_under_a_running_optimizer_is_named():
+    """step() went on gossiping over the destroyed gloo group, synchronize() raised torch's "Default process group
+    has not been initialized", and after a new init_process_group() the utilities ran on the new group."""
+    for out in run_ranks(_destroyed_under_the_optimizer, 2, timeout=120):
+        for case, said in out.items():
+            assert said.startswith(f"RuntimeError: decent_comm: {case[2]}(): the optimizer's process group was "
+                                   "destroyed") and "opt.shutdown() before destroy_process_group()" in said, (case, said)
 
 
 def _interrupted_between_two_launches(rank, n, who):

@@ -198,7 +198,10 @@ class ReplicaWatch:
 
     def _announce(self, what: str, sizes: List[int]):
         """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
-        rank at another step never sends): every rank raises if they are not all at this utility and step."""
+        rank at another step never sends): every rank raises if they are not all at this utility and step, or if the
+        process group was destroyed under the optimizer (GossipExchange.check_group)."""
+        if self._schedule.exchange is not None:
+            self._schedule.exchange.check_group(what)
         for b in self._buckets:  # the parameters a utility reads and writes are the buckets' (model.half() is not)
             adopt_storage(b, before_copy=self._schedule.complete_transfers, siblings=self._buckets)
         announce(self._schedule.all_reduce, what, self._schedule.t, sizes)

@@ -362,10 +362,13 @@ class GossipSchedule(ScheduleCheckpoint):
         return self.exchange.bytes_sent if self.exchange is not None else 0
 
     def check_running(self):
-        """RuntimeError after shutdown(): without its exchange a step would go on mixing the buffers received last."""
+        """RuntimeError after shutdown() (without its exchange a step would go on mixing the buffers received last)
+        or once the process group was destroyed under it (GossipExchange.check_group)."""
         if self._shut_down:
             raise RuntimeError("decent_comm: step() after shutdown(): the optimizer has released its exchange, so a "
                                "step would mix stale neighbour buffers; build a new optimizer to train on")
+        if self.exchange is not None:
+            self.exchange.check_group("step()")
 
     def shutdown(self):
         # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
