@@ -50,6 +50,9 @@ def test_a_dropped_optimizer_is_freed_without_the_cyclic_collector():
 
 
 def _retry_after_a_failed_construction(rank, n):
+    # torch imports torch._dynamo lazily, at a rank's first optimizer: rank 1 builds its first one in the retry, and
+    # on a loaded machine that import alone took more than the 2 s timeout rank 0 waits there. Paid up front.
+    import torch._dynamo  # noqa: F401
     store = dist.distributed_c10d._get_default_store()
     out = []
     for attempt in range(2):

@@ -114,9 +114,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             raise refusal
         self._groups_built = group_layout(self.param_groups)
         self._state_watch = StateWatch()
-        self._closure, self._closure_loss = None, None
+        self._closure, self._closure_loss, self._model = None, None, model
         self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
-        self._model = model
         if self.world_size > 1 and broadcast_init:
             broadcast_from_rank0(self._buckets, process_group)
         self._schedule = GossipSchedule(
