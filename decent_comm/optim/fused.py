@@ -1,7 +1,8 @@
 """The fused decentralized optimizers: torch.optim signatures plus the decentralized keyword options.
 
 Each is a torch.optim.Optimizer whose step runs one fused mix+update kernel per bucket (decent_comm.ops).
-Without an initialized process group, or with world size 1, each behaves exactly as its torch counterpart.
+Without an initialized process group, or with world size 1, each matches its torch counterpart to float32 rounding
+(not bit for bit: the fused kernel orders the arithmetic its own way; docs/api.md).
 """
 
 import collections
