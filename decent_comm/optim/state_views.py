@@ -105,7 +105,8 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
     (with the foreign entries read_state found). `layout.names_of(b)`: bucket b's optimizer-state buffers; a
     parameter given none of them starts afresh (zero buffers, count 0), as in a torch optimizer that loads it. A
     parameter given them without a count (torch.optim.SGD saves none) has stepped: count 1; given a count but not
-    all of them, with layout.count_follows_buffers, it restarts at count 0."""
+    all of them, with layout.count_follows_buffers, it restarts at count 0, and given a count of 0 beside a nonzero
+    buffer, it has stepped (_started)."""
     for b in buckets:
         b.step_count.zero_()
         b.published, b.published_names = [None] * len(b.slots), frozenset()
@@ -123,6 +124,8 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
                     b.view(b.state[name], s).zero_()
             if count is not None:
                 restart = layout.count_follows_buffers and any(name not in tensors for name in names)
+                if count == 0 and not restart and layout.count_follows_buffers and _started(b, i, names):
+                    count = 1.0  # a template's 0 left beside a buffer DCP loaded (_started)
                 b.step_count[i] = 0.0 if restart else count
             elif any(name in tensors for name in names):
                 b.step_count[i] = 1.0
@@ -131,6 +134,15 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
         publish_state(b, state)
         for param, foreign in foreign_of:
             state[param].update(foreign)
+
+
+def _started(b: Bucket, i: int, names: List[str]) -> bool:
+    """Whether slot i's buffers, as just loaded with a count of 0 (DSGD: the steps since its buffer started), hold a
+    started buffer. The count 0 of a DCP template (a new optimizer publishes zero state and counts for dcp.load to fill
+    in) stays beside the buffer of a checkpoint that has no count (torch.optim.SGD's, loaded with allow_partial_load);
+    restarting that buffer at the gradient dropped the momentum. This optimizer never saves a nonzero buffer with a
+    count of 0 (a buffer starts with its count), so a nonzero one has stepped: count 1, as a buffer loaded without one."""
+    return any(bool(b.view(b.state[name], b.slots[i]).ne(0).any()) for name in names if name in b.state)
 
 
 def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: set):
