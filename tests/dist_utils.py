@@ -87,7 +87,10 @@ def _environ(overrides):
 
 
 # Imported once, in the fork server; a child imports its test module itself (cheap once torch is loaded).
-_PRELOAD = ["torch", "torch.distributed", "decent_comm"]
+# torch._dynamo too: torch imports it lazily in a process's first torch.optim.Optimizer construction, 2.4 s on a
+# loaded 2-core machine, which the tests' ranks paid inside their 2-4 s timeouts (test_optim_faults failed so, a
+# different case from run to run). It starts no thread (the server forks its children).
+_PRELOAD = ["torch", "torch.distributed", "decent_comm", "torch._dynamo"]
 _context = []
 
 
