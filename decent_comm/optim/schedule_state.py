@@ -49,10 +49,10 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
         # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
         # too (a rollback to step 0), silently.
         if int(where.get("step", 0)) > 0:
-            log.warning("the state dict has no int8 wire copies (torch.distributed.checkpoint loads only the state "
-                        "names the destination optimizer has, and a new one has none yet): every rank restarts them "
-                        "from zero and drops the round in flight, so the resumed run is not exact; torch.save'd state "
-                        "dicts carry them")
+            log.warning("the state dict has no int8 wire copies (a run without the int8 wire saved it, or "
+                        "torch.distributed.checkpoint loaded only the state names the destination optimizer has, and "
+                        "a new one has none yet): every rank restarts them from zero and drops the round in flight, "
+                        "so the resumed run is not exact; torch.save'd state dicts of an int8 wire run carry them")
         return dict(where, int8_wire_round=None), True
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
     if int8_wire and wire and complete < num_params:
