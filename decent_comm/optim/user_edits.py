@@ -32,6 +32,8 @@ def check_param_groups(groups: Sequence[dict], built: List[tuple]) -> None:
     group_layout): a group added, a parameter appended to or removed from a group. The buckets (and every other
     rank's) cannot follow, so the change would be ignored: the new parameter never updated, the removed one still
     updated and averaged."""
+    if len(groups) == len(built) and all(tuple(map(id, g["params"])) == ids for g, ids in zip(groups, built)):
+        return  # (every step: a C loop per group; the diagnostics below sort the ids)
     if len(groups) != len(built):
         raise RuntimeError(f"decent_comm: the optimizer was built with {len(built)} param group(s) and now has "
                            f"{len(groups)}: groups added later (e.g. to the wrapped optimizer) would be neither updated "
