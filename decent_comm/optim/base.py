@@ -26,8 +26,8 @@ from ..exchange import MAX_BUCKETS
 from . import amp, diagnostics, int8_wire
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
-from .buckets import (Bucket, build_buckets, count_on_device, count_steps, refine_classes, check_unwritten,
-                      note_in_flight, segments, spread_count, written)
+from .buckets import (Bucket, build_buckets, count_on_device, count_steps, grads_present, refine_classes,
+                      check_unwritten, note_in_flight, spread_count, step_segments, written)
 from .checkpointing import StateDictMixin
 from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
@@ -316,7 +316,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         if not skip_update:
             self._prepare_bucket(b, group)
         on_device = b.classes is not None
-        for k, seg in enumerate(segments(b, b.count_keys)):
+        for k, seg in enumerate(step_segments(b)):
             sl = slice(seg.start, seg.stop)
             nbs, wire = neighbors.at(sl)  # wire: the 8-bit wire's copies and payloads of this segment
             dis = self._schedule.meter.slot(b, k) if mixing else None
@@ -329,8 +329,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             elif mixing:
                 ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis, **wire)
         if not skip_update:
-            refine_classes(b) if on_device else count_steps(b)
-            publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots] if on_device else None)
+            has = grads_present(b)
+            refine_classes(b, has) if on_device else count_steps(b, has)
+            publish_state(b, self.state, stepped=has if on_device else None)
 
     # ------------------------------------------------------------------------------------------ grad utils
 

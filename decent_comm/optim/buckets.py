@@ -15,6 +15,7 @@ from torch.autograd.graph import increment_version
 
 from .flat_memory import flat_buffer
 from .shared_memory import check_no_shared_memory
+from .step_cache import StepCache
 
 # Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
 # some parameters have gradients keep the CUDA kernels on their vectorized path.
@@ -58,6 +59,7 @@ class Bucket:
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
     lanes_used: int = 0  # flat buffers allocated so far: the next one starts in the next page lane (flat_memory)
+    cache: StepCache = None  # what the last step found, to tell cheaply that the next finds the same (step_cache)
 
     @property
     def steps(self) -> List[int]:
@@ -134,6 +136,7 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
     if check is not None:
         check(buckets)
     for b in buckets:
+        b.cache = StepCache([s.param for s in b.slots])
         _materialize(b)
         b.step_count = torch.zeros(len(b.slots), dtype=torch.float32)
         b.published = [None] * len(b.slots)
@@ -193,14 +196,14 @@ def _materialize(b: Bucket) -> None:
     b.flat = b.new_flat()
     b.grad = b.new_flat()
     with torch.no_grad():
-        for s in b.slots:
+        for s, grad_view in zip(b.slots, b.cache.grad_views(b)):
             view = b.view(b.flat, s)
             view.copy_(s.param.detach())
             had_grad = s.param.grad is not None
             if had_grad:
-                b.view(b.grad, s).copy_(s.param.grad)
+                grad_view.copy_(s.param.grad)
             s.param.data = view
-            s.param.grad = b.view(b.grad, s) if had_grad else None
+            s.param.grad = grad_view if had_grad else None
 
 
 @dataclass
@@ -262,36 +265,62 @@ def converted(b: Bucket, i: int) -> Optional[RuntimeError]:
         "state_dict().")
 
 
-def segments(b: Bucket, steps: List[int]) -> List[Segment]:
+def segments(b: Bucket, steps: List[int], has: Optional[List[bool]] = None) -> List[Segment]:
     """Splits a bucket into runs over which one fused kernel call is valid. `steps[i]` is slot i's
-    step count (it differs only when some parameters missed gradients in earlier steps). Usually one
-    segment spans the whole bucket."""
+    step count (it differs only when some parameters missed gradients in earlier steps); `has[i]`: whether its
+    parameter has a gradient (read from the parameters when not given). Usually one segment spans the whole
+    bucket."""
+    if has is None:
+        has = [s.param.grad is not None for s in b.slots]
     out: List[Segment] = []
     for i, s in enumerate(b.slots):
-        has = s.param.grad is not None
         start = s.offset
         stop = s.offset + s.numel
-        if out and out[-1].has_grad == has and out[-1].step == steps[i]:
+        if out and out[-1].has_grad == has[i] and out[-1].step == steps[i]:
             out[-1].stop = stop
             out[-1].last = i
         else:
             if out:
                 # padding between parameters goes with the previous run
                 out[-1].stop = start
-            out.append(Segment(start, stop, has, steps[i], i, i))
+            out.append(Segment(start, stop, has[i], steps[i], i, i))
     if out:
         out[0].start = 0
         out[-1].stop = b.numel
     return out
 
 
-def count_steps(b: Bucket) -> None:
-    """One optimizer step was taken for every parameter of `b` that has a gradient."""
-    has = [s.param.grad is not None for s in b.slots]
+def grads_present(b: Bucket) -> List[bool]:
+    """Per slot, whether its parameter has a gradient: within a step, as gather_grads found it (StepCache.has)."""
+    return b.cache.has if b.cache.has is not None else [s.param.grad is not None for s in b.slots]
+
+
+def step_segments(b: Bucket) -> List[Segment]:
+    """segments(b, b.count_keys) for this step's update, with the gradients gather_grads found. When every parameter
+    has one and the host counts are known all equal (nothing wrote them since they were found so: step_cache), the
+    one segment that spans the bucket, without reading the counts."""
+    c = b.cache
+    has = grads_present(b)
+    if b.classes is None and c.has is not None and c.all_have:
+        k = c.uniform_count(b.step_count)
+        if k is not None:
+            return [Segment(0, b.numel, True, k, 0, len(b.slots) - 1)]
+    out = segments(b, b.count_keys, has)
+    if b.classes is None and len(out) == 1 and out[0].has_grad:  # every count is out[0].step
+        c.note_counts(b.step_count, out[0].step)
+    return out
+
+
+def count_steps(b: Bucket, has: List[bool]) -> None:
+    """One optimizer step was taken for every parameter of `b` that has a gradient (`has`, per slot)."""
     if all(has):
+        k = b.cache.uniform_count(b.step_count)
         b.step_count.add_(1)
+        # (float32 counts: from 2^24 on, adding 1 may leave one as it was; then they are read again)
+        b.cache.note_counts(b.step_count, None if k is None or k + 1 >= 2**24 else k + 1)
     else:
         b.step_count.add_(torch.tensor(has, dtype=torch.float32))
+        b.cache.note_counts(b.step_count, None)
 
 
 def _classes_of(keys) -> List[int]:
@@ -299,10 +328,11 @@ def _classes_of(keys) -> List[int]:
     return [ids.setdefault(k, len(ids)) for k in keys]
 
 
-def refine_classes(b: Bucket) -> None:
+def refine_classes(b: Bucket, has: List[bool]) -> None:
     """After a step whose update the kernels may have skipped (found_inf, on the device): every slot with a
-    gradient was updated, or none was. So slots that agreed before and agree on having had a gradient agree now."""
-    b.classes = _classes_of(zip(b.classes, (s.param.grad is not None for s in b.slots)))
+    gradient (`has`, per slot) was updated, or none was. So slots that agreed before and agree on having had a
+    gradient agree now."""
+    b.classes = _classes_of(zip(b.classes, has))
 
 
 def count_on_device(b: Bucket, state) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from .base import DecentralizedMixin
+from .buckets import grads_present
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
@@ -207,7 +208,7 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         # host and in the kernels that keep the counts on the device alike. torch.optim.SGD keeps no step count; ours
         # counts the steps since the buffer started.
         if group["momentum"] != 0 and "momentum_buffer" not in b.state and \
-                any(s.param.grad is not None for s in b.slots):  # (none for a frozen bucket, as torch)
+                any(grads_present(b)):  # (none for a frozen bucket, as torch)
             b.state_buffer("momentum_buffer")
             b.step_count.zero_()
             if b.classes is not None:

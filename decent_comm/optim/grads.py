@@ -5,11 +5,16 @@ so the fused kernels read one buffer per bucket. User code may point a .grad els
 swap, autograd after zero_grad(set_to_none=True)); gather_grads copies those back in, as torch would train them.
 """
 
+import operator
 from typing import Callable, List, Optional
 
 import torch
 
 from .buckets import Bucket, adopt_storage, converted, segments
+
+
+_is_sparse, _size, _data_ptr = operator.attrgetter("is_sparse"), torch.Tensor.size, torch.Tensor.data_ptr
+_dtype, _device = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
 def _is_own_view(g: torch.Tensor, view: torch.Tensor) -> bool:
@@ -31,21 +36,70 @@ def gather_grads(buckets: List[Bucket], sparse_ok: Callable[[Bucket], bool],
     held when step() was called).
     """
     foreign = []  # (bucket, slot index, view, grad) of every .grad that is not its slot's view
+    checked = []  # the buckets whose .grad were looked at one by one
     for b in buckets:
-        adopt_storage(b, before_copy, buckets)
-        for i, s in enumerate(b.slots):
-            g = s.param.grad
-            if g is None:
+        c = b.cache
+        if not c.params_unchanged():  # (step_cache: else adopt_storage would find every parameter its view)
+            adopt_storage(b, before_copy, buckets)
+            c.note_params()
+        if c.grads_unchanged():  # every .grad is the view (or None) the last step left: nothing to copy
+            continue
+        checked.append(b)
+        views = c.grad_views(b)
+        for i, (p, view, address) in enumerate(zip(c.params, views, c.view_key[0])):
+            g = p.grad
+            if g is None or g is view:  # (grad_views' own, its layout checked)
                 continue
-            view = b.view(b.grad, s)
-            if g.is_sparse or not _is_own_view(g, view):
+            if g.is_sparse or g.data_ptr() != address or not _is_own_view(g, view):
                 foreign.append((b, i, view, g))
-    if not foreign:
-        return
-    buffers = {b.grad.untyped_storage().data_ptr() for b in buckets}
-    for k, (b, i, view, g) in enumerate(foreign):
-        if not g.is_sparse and g.untyped_storage().data_ptr() in buffers:
-            foreign[k] = (b, i, view, g.clone())
+    if foreign:
+        _copy_in(buckets, foreign, sparse_ok)
+    for b in checked:
+        b.cache.note_grads()
+
+
+def _clone_aliasing(buckets: List[Bucket], foreign: list, addresses: list) -> None:
+    """Replaces each dense foreign .grad that lies in the buckets' gradient buffers (its storage is one of theirs) by
+    a clone; `addresses`: their data_ptr (None: sparse). One outside every buffer's storage is not asked for its
+    storage (~10x dearer than the address; a tensor of that storage starts inside it)."""
+    storages = [b.grad.untyped_storage() for b in buckets]
+    ours = {st.data_ptr() for st in storages}
+    ranges = [(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in storages]
+    for k, address in enumerate(addresses):
+        if address is None:
+            continue
+        for lo, hi in ranges:
+            if lo <= address <= hi:
+                b, i, view, g = foreign[k]
+                if g.untyped_storage().data_ptr() in ours:
+                    foreign[k] = (b, i, view, g.clone())
+                break
+
+
+def _copy_in(buckets: List[Bucket], foreign: list, sparse_ok: Callable[[Bucket], bool]) -> None:
+    """gather_grads' copies of the foreign .grad into their slots, every .grad pointed at its view after."""
+    grads = [g for _, _, _, g in foreign]
+    if not any(map(_is_sparse, grads)):
+        _clone_aliasing(buckets, foreign, list(map(_data_ptr, grads)))
+        grads = [g for _, _, _, g in foreign]
+        if list(map(_size, grads)) == [b.cache.view_key[2][i] for b, i, _, _ in foreign] and \
+                list(map(_dtype, grads)) == [b.dtype for b, _, _, _ in foreign] and \
+                list(map(_device, grads)) == [b.device for b, _, _, _ in foreign]:
+            # The usual case (autograd's fresh gradients after zero_grad(set_to_none=True)): one call per bucket
+            # copies them, as copy_ would one by one (same dtype: the same bytes; the sources in the buffers are
+            # clones).
+            per_bucket = {}
+            for b, _, view, g in foreign:
+                per_bucket.setdefault(b.index, ([], []))
+                per_bucket[b.index][0].append(view)
+                per_bucket[b.index][1].append(g)
+            for views, sources in per_bucket.values():
+                torch._foreach_copy_(views, sources)
+            for b, i, view, _ in foreign:
+                b.slots[i].param.grad = view
+            return
+    else:
+        _clone_aliasing(buckets, foreign, [None if g.is_sparse else g.data_ptr() for g in grads])
     for b, i, view, g in foreign:
         s = b.slots[i]
         if g.is_sparse:
@@ -70,17 +124,21 @@ def zero_grads(buckets: List[Bucket], set_to_none: bool) -> None:
         for b in buckets:
             for s in b.slots:
                 s.param.grad = None
+            b.cache.note_grads()
         return
     for b in buckets:
+        if b.cache.params_unchanged():  # every parameter as adopt_storage last found it: none converted
+            continue
         for i, s in enumerate(b.slots):
             error = converted(b, i) if s.param.grad is not None else None
             if error is not None:
                 raise error
     for b in buckets:
         b.grad.zero_()
-        for s in b.slots:
-            if s.param.grad is not None:
-                s.param.grad = b.view(b.grad, s)
+        for p, view in zip(b.cache.params, b.cache.grad_views(b)):
+            if p.grad is not None:
+                p.grad = view
+        b.cache.note_grads()
 
 
 @torch.no_grad()
@@ -90,7 +148,7 @@ def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
     gather_grads(buckets, sparse_ok)
     norms = []
     for b in buckets:
-        for seg in segments(b, [0] * len(b.slots)):
+        for seg in segments(b, [0] * len(b.slots), b.cache.has):
             if seg.has_grad:
                 norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
     if not norms:

@@ -45,10 +45,15 @@ class WarmupAverage:
             b.grad.div_(self.world_size)
         if absent:  # else nothing to learn from the counts: no host read of them
             used_anywhere = (used > 0).tolist()
+            given = set()
             for k in absent:
                 if used_anywhere[k]:
                     b, s = slots[k]
                     s.param.grad = b.view(b.grad, s)
+                    given.add(b.index)
+            for b in self.buckets:  # the rest of the step reads which parameters have a gradient from the cache
+                if b.index in given:
+                    b.cache.note_grads()
         if found_inf is not None:
             self.all_reduce(found_inf, "the warm-up's overflow flag (found_inf)")
 
