@@ -34,6 +34,7 @@ def gather_grads(buckets: List[Bucket], sparse_ok: Callable[[Bucket], bool],
     a.grad = a.grad * 0.5; a.grad = a.grad.t()) is cloned before any slot is written, in every bucket: copied in
     order, an earlier slot's copy overwrote it before it was read (torch trains each parameter with what its .grad
     held when step() was called).
+    A bucket whose parameters and .grad are as the last call left them (step_cache's keys) is not walked at all.
     """
     foreign = []  # (bucket, slot index, view, grad) of every .grad that is not its slot's view
     checked = []  # the buckets whose .grad were looked at one by one

@@ -28,12 +28,13 @@ _data_ptr, _stride, _size = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Te
 _grad, _dtype, _device = operator.attrgetter("grad"), operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
-def _layout(tensors) -> Optional[tuple]:
-    """The tensors' addresses, strides and sizes (None when one has no storage to read: never equal to a key)."""
+def _layout(tensors) -> object:
+    """The tensors' addresses, strides and sizes; when one has no storage to read (a parameter turned sparse, p.data =
+    ...), a new object, equal to no key: the full check says what is wrong."""
     try:
         return list(map(_data_ptr, tensors)), list(map(_stride, tensors)), list(map(_size, tensors))
-    except RuntimeError:  # a parameter turned sparse or meta (p.data = ...): the full check says what is wrong
-        return None
+    except RuntimeError:
+        return object()
 
 
 def version(t: torch.Tensor) -> int:
@@ -47,12 +48,12 @@ class StepCache:
 
     def __init__(self, params: List[torch.nn.Parameter]):
         self.params = params
-        self.param_key: Optional[tuple] = None  # the parameters' layout, dtype and device when adopt_storage passed
+        self.param_key: object = None  # the parameters' layout, dtype and device when adopt_storage passed
         self.views: Optional[List[torch.Tensor]] = None  # per slot, a view of the bucket's gradient buffer
-        self.view_key: Optional[tuple] = None   # their layout when made
+        self.view_key: object = None   # their layout when made
         self.expect: Optional[list] = None      # per slot, .grad as last left (a view of its slot, or None)
         self.others: list = []                  # the tensors among them that are not in `views`,
-        self.others_key: Optional[tuple] = None  # and their layout then
+        self.others_key: object = None  # and their layout then
         # Per slot: .grad is not None, as gather_grads left it. What the rest of that step reads (segments, the step
         # counts, opt.state's publication) instead of walking the parameters again; nothing between changes a .grad
         # but the warm-up's average, which notes it (warmup.WarmupAverage.average).
@@ -70,9 +71,11 @@ class StepCache:
         """adopt_storage passed: every parameter is its view of the bucket."""
         self.param_key = self._param_key()
 
-    def _param_key(self) -> Optional[tuple]:
+    def _param_key(self) -> object:
         layout = _layout(self.params)
-        return None if layout is None else (*layout, list(map(_dtype, self.params)), list(map(_device, self.params)))
+        if not isinstance(layout, tuple):
+            return layout
+        return (*layout, list(map(_dtype, self.params)), list(map(_device, self.params)))
 
     # ------------------------------------------------------------------------------------------------- gradients
 
@@ -94,7 +97,7 @@ class StepCache:
         warm-up's average): remember them, and which parameters have one."""
         self.expect = list(map(_grad, self.params))
         # the views among them that are not grad_views' (kept from user code: p.grad = p.grad.view(p.shape))
-        self.others = [g for g, v in zip(self.expect, self.views or ()) if g is not None and g is not v] \
+        self.others = [g for g, v in zip(self.expect, self.views) if g is not None and g is not v] \
             if self.views is not None else [g for g in self.expect if g is not None]
         self.others_key = _layout(self.others)
         self.has = list(map(operator.is_not, self.expect, itertools.repeat(None)))
