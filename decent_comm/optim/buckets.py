@@ -307,7 +307,7 @@ def step_segments(b: Bucket) -> List[Segment]:
             return [Segment(0, b.numel, True, k, 0, len(b.slots) - 1)]
     out = segments(b, b.count_keys, has)
     if b.classes is None and len(out) == 1 and out[0].has_grad:  # every count is out[0].step
-        c.note_counts(b.step_count, out[0].step)
+        c.note_counts(out[0].step)
     return out
 
 
@@ -316,11 +316,10 @@ def count_steps(b: Bucket, has: List[bool]) -> None:
     if all(has):
         k = b.cache.uniform_count(b.step_count)
         b.step_count.add_(1)
-        # (float32 counts: from 2^24 on, adding 1 may leave one as it was; then they are read again)
-        b.cache.note_counts(b.step_count, None if k is None or k + 1 >= 2**24 else k + 1)
+        b.cache.note_counts(None if k is None else k + 1)  # (a float32 count stays at 2^24: uniform_count says so)
     else:
         b.step_count.add_(torch.tensor(has, dtype=torch.float32))
-        b.cache.note_counts(b.step_count, None)
+        b.cache.note_counts(None)
 
 
 def _classes_of(keys) -> List[int]:

@@ -12,8 +12,8 @@ parameters, ~0.1 us each):
 - each .grad object as gather_grads left it (a view of the slot, or None) and those views' data_ptr, stride and size
   (a .grad replaced or dropped is another object; one written through .data =, set_, t_() or resize_() has another
   layout);
-- the step counts' version counter after they were found all equal (every write to them bumps it: opt.state[p]
-  ["step"].fill_(k), load_state_dict, a state edit taken in, DSGD's restart of the counts).
+- the step count k all the counts had at the last step's end, checked against their values (one comparison on
+  the tensor: a write through `.data` or NumPy bumps no version counter, so the counter cannot tell).
 
 Anything else, or any key that differs, runs the full code, which then records the keys again.
 """
@@ -37,12 +37,6 @@ def _layout(tensors) -> object:
         return object()
 
 
-def version(t: torch.Tensor) -> int:
-    """t's version counter (bumped by every in-place write through it or a view of it); an inference tensor has
-    none, and cannot be written outside inference mode anyway."""
-    return -1 if t.is_inference() else t._version
-
-
 class StepCache:
     """One bucket's keys (module docstring). `params`: the bucket's parameters in slot order."""
 
@@ -59,7 +53,7 @@ class StepCache:
         # but the warm-up's average, which notes it (warmup.WarmupAverage.average).
         self.has: Optional[List[bool]] = None
         self.all_have = False
-        self.counts: Optional[tuple] = None     # (the step count tensor, its version, k): every count is k
+        self.count: Optional[int] = None  # the count every slot had at the last step's end (None: not all equal)
 
     # ------------------------------------------------------------------------------------------------ parameters
 
@@ -106,13 +100,10 @@ class StepCache:
     # ---------------------------------------------------------------------------------------------- step counts
 
     def uniform_count(self, step_count: torch.Tensor) -> Optional[int]:
-        """k when every count of `step_count` is known to be k (nothing wrote the counts since), else None."""
-        c = self.counts
-        if c is not None and c[0] is step_count and c[1] == version(step_count):
-            return c[2]
-        return None
+        """k when every count of `step_count` is the k the last step left, else None (then segments reads them)."""
+        k = self.count
+        return k if k is not None and bool(step_count.eq(k).all()) else None
 
-    def note_counts(self, step_count: torch.Tensor, k: Optional[int]) -> None:
-        """Every count of `step_count` is k now (None: not all equal, or not known)."""
-        v = version(step_count)
-        self.counts = None if k is None or v < 0 else (step_count, v, k)
+    def note_counts(self, k: Optional[int]) -> None:
+        """Every count is k now (None: not all equal, or not known)."""
+        self.count = k
