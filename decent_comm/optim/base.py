@@ -329,9 +329,8 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
             elif mixing:
                 ops.gossip_mix_(b.flat[sl], nbs, self_weight, weights, disagreement=dis, **wire)
         if not skip_update:
-            has = grads_present(b)
-            refine_classes(b, has) if on_device else count_steps(b, has)
-            publish_state(b, self.state, stepped=has if on_device else None)
+            refine_classes(b) if on_device else count_steps(b)
+            publish_state(b, self.state, stepped=grads_present(b) if on_device else None)
 
     # ------------------------------------------------------------------------------------------ grad utils
 

@@ -311,8 +311,9 @@ def step_segments(b: Bucket) -> List[Segment]:
     return out
 
 
-def count_steps(b: Bucket, has: List[bool]) -> None:
-    """One optimizer step was taken for every parameter of `b` that has a gradient (`has`, per slot)."""
+def count_steps(b: Bucket) -> None:
+    """One optimizer step was taken for every parameter of `b` that has a gradient (grads_present)."""
+    has = grads_present(b)
     if all(has):
         k = b.cache.uniform_count(b.step_count)
         b.step_count.add_(1)
@@ -327,11 +328,11 @@ def _classes_of(keys) -> List[int]:
     return [ids.setdefault(k, len(ids)) for k in keys]
 
 
-def refine_classes(b: Bucket, has: List[bool]) -> None:
+def refine_classes(b: Bucket) -> None:
     """After a step whose update the kernels may have skipped (found_inf, on the device): every slot with a
-    gradient (`has`, per slot) was updated, or none was. So slots that agreed before and agree on having had a
+    gradient (grads_present) was updated, or none was. So slots that agreed before and agree on having had a
     gradient agree now."""
-    b.classes = _classes_of(zip(b.classes, has))
+    b.classes = _classes_of(zip(b.classes, grads_present(b)))
 
 
 def count_on_device(b: Bucket, state) -> None:
