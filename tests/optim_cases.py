@@ -129,11 +129,13 @@ def doubly_stochastic(n, seed):
 
 
 def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0, comm_dtype=None,
-                          scheduler=None, probe=None, give_model=True, model_fn=None, overflow=None, **cadence):
+                          scheduler=None, probe=None, give_model=True, model_fn=None, overflow=None, closure=False,
+                          **cadence):
     """Trains rank `rank`'s replica and the float64 dense simulation of all ranks side by side; returns the
     largest deviation of this rank's parameters from the simulation. ``give_model``: pass ``model=`` in ATC mode
     (else the optimizer finds the modules itself). ``overflow``: train under torch.amp.GradScaler, with the loss of
-    these (rank, step) pairs made infinite."""
+    these (rank, step) pairs made infinite. ``closure``: step(closure), the closure zeroing the gradients and running
+    the forward and backward."""
     ctor, kind, hp = OPTIMIZERS[opt_name]
     make_model_ = model_fn or make_model
     models = [make_model_(seed) for seed in range(n)]  # distinct replicas, known to every rank
@@ -150,12 +152,14 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
     for t in range(steps):
         x, y = batch(rank, t)
         opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        if scaler is None:
-            loss.backward()
+        loss_of = lambda: ((model(x) - y) ** 2).mean()  # noqa: E731
+        if closure:  # which zeroes the gradients itself, as torch's examples write it
+            opt.step(lambda: (opt.zero_grad(), loss_of().backward()))
+        elif scaler is None:
+            loss_of().backward()
             opt.step()
         else:
-            (scaler.scale(loss) * (float("inf") if (rank, t) in overflow else 1.0)).backward()
+            (scaler.scale(loss_of()) * (float("inf") if (rank, t) in overflow else 1.0)).backward()
             scaler.step(opt)
             scaler.update()
         after = observe()

@@ -34,6 +34,19 @@ def test_cadence_matches_dense_simulation(cadence):
     assert_every_rank_close(run_ranks(_every_optimizer, 3, cadence, timeout=900))
 
 
+def _wrapped_with_a_closure(rank, n, mode):
+    return {mode: run_against_reference(rank, n, "wrapped-adam", T.make("ring", n), mode, steps=6, closure=True,
+                                        warmup_steps=3)}
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_the_warmup_averages_the_gradients_a_closure_computes(mode):
+    """Decentralized(inner).step(closure) hands the closure to the wrapped optimizer: the warm-up averaged the
+    gradients found before it ran, and the wrapped optimizer stepped on the closure's local ones (the replicas
+    0.25 apart after 4 warm-up steps of Adam at 2 ranks)."""
+    assert_every_rank_close(run_ranks(_wrapped_with_a_closure, 3, mode, timeout=300))
+
+
 def _local_steps_send_nothing(rank, n):
     model = make_model(rank)
     opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", gossip_every=4, warmup_steps=2, timeout=30)

@@ -281,3 +281,14 @@ def test_model_left_in_ddp_is_refused():
     the global hook's, which model= no longer installs)."""
     for msgs in run_ranks(_ddp_wrapped, 2, timeout=120):
         assert len(msgs) == 4 and all("DistributedDataParallel" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("inner", ["DSGD", "Decentralized(SGD)"])
+def test_wrapping_an_optimizer_that_is_decentralized_already_is_refused(inner):
+    """It was accepted, trained at world size 1, and at 2 ranks failed at the first step saying parameters were
+    written while being sent, advising synchronize()."""
+    params = list(torch.nn.Linear(2, 2).parameters())
+    opt = decent_comm.DSGD(params, lr=0.1) if inner == "DSGD" else \
+        decent_comm.Decentralized(torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match=f"{type(opt).__name__}, which is decentralized already"):
+        decent_comm.Decentralized(opt)

@@ -15,7 +15,6 @@ fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_dist
 ``bytes_sent``.
 """
 
-import contextlib
 import weakref
 from typing import List, Optional
 
@@ -24,6 +23,7 @@ import torch
 from .. import ops
 from ..exchange import MAX_BUCKETS
 from . import amp, diagnostics, int8_wire
+from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
 from .buckets import (Bucket, build_buckets, count_on_device, count_steps, grads_present, refine_classes,
@@ -49,7 +49,7 @@ def _lr_of(optimizer: "weakref.ref"):
     return lambda: optimizer()._lr0()
 
 
-class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
+class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverages):
     """Mixed into a torch.optim.Optimizer subclass. A fused subclass implements `_local_update(bucket, seg_slice,
     group, step, neighbors, self_weight, weights, disagreement, **op_kwargs)`, one fused kernel call over a slice of
     a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf keywords in
@@ -180,9 +180,14 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
                 "requires_grad=False: they are still averaged), or build a new optimizer.")
         super().add_param_group(param_group)
 
-    def _closure_for_inner(self) -> bool:
-        """Decentralized passes the closure to the wrapped optimizer (LBFGS evaluates it several times)."""
-        return False
+    def _inner_closure(self, closure):
+        """The closure the update evaluates (Decentralized: hands on to the wrapped optimizer, LBFGS evaluates it
+        several times); None: step() evaluates it first."""
+        return None
+
+    def _average_gradients(self, found_inf):
+        """The warm-up's gradient average (Decentralized: after each evaluation of the closure it hands on)."""
+        self._schedule.average_gradients(self._schedule.t, found_inf)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -199,14 +204,14 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         self._adopt_state_edits()
         check_unwritten(self._buckets)
         loss, self._closure_loss = None, None
-        self._closure = closure if self._closure_for_inner() else None
+        self._closure = self._inner_closure(closure) if closure is not None else None
         if closure is not None and self._closure is None:
             with torch.enable_grad():
                 loss = closure()
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
             gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
-            self._schedule.average_gradients(self._schedule.t, found_inf)
+            self._average_gradients(found_inf)
             self._amp, skip_update = self._amp_for_step(found_inf)
             if self.mode == "awc":
                 self._step_awc(skip_update)
@@ -355,37 +360,6 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch):
         at different step counts raise RuntimeError naming them (they waited for a round never sent)."""
         self._announce("synchronize()", [])
         self._schedule.synchronize()
-
-    @contextlib.contextmanager
-    def global_average(self):
-        """Swaps in the exact global average of the replicas (for evaluation or saving) and restores each
-        rank's own parameters on exit. A collective: every rank must enter it."""
-        self._announce("global_average()", [b.flat.numel() for b in self._buckets])
-        self._schedule.synchronize()
-        saved = [b.flat.clone() for b in self._buckets]
-        try:
-            self._average_()
-            yield self
-        finally:
-            with torch.no_grad():
-                for b, s in zip(self._buckets, saved):
-                    b.flat.copy_(s)
-                written(self._buckets)
-
-    def average_parameters(self):
-        """Permanently replaces every replica by the global average (e.g. before final evaluation)."""
-        self._announce("average_parameters()", [b.flat.numel() for b in self._buckets])
-        self._schedule.synchronize()
-        self._average_()
-        self._schedule.forget_inflight()  # what neighbours sent before the average is stale now
-
-    @torch.no_grad()
-    def _average_(self):
-        if self.world_size > 1:
-            for b in self._buckets:
-                diagnostics.all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
-                                             f"the global average of bucket {b.index}")
-            written(self._buckets)
 
     def _param_list(self):
         return [p for g in self.param_groups for p in g["params"]]

@@ -9,6 +9,7 @@ from .. import ops
 from .device_scalars import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
+from .grads import gather_grads
 from .tracing import traced
 
 
@@ -30,6 +31,11 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+        if isinstance(inner, DecentralizedMixin):
+            # (accepted, it failed at its second rank's first step, saying parameters were written while being sent)
+            raise ValueError(f"Decentralized wraps a torch.optim optimizer, got decent_comm's {type(inner).__name__}, "
+                             "which is decentralized already: step it directly (two gossip schedules over the same "
+                             "parameters cannot work)")
         if isinstance(inner, torch.optim.SparseAdam):
             raise ValueError("Decentralized cannot wrap torch.optim.SparseAdam: it takes sparse gradients only, and the "
                              "flat buckets hold every gradient dense; wrap torch.optim.Adam, or use DSGD / "
@@ -79,8 +85,27 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             b.flat.add_(delta)
         return step_sq
 
-    def _closure_for_inner(self) -> bool:
-        return True
+    def _inner_closure(self, closure):
+        # In a warm-up step every evaluation's gradients are averaged before the wrapped optimizer reads them (DDP's
+        # backward): averaged before the closure ran, the stale .grad were, and the replicas drifted apart (0.25 in 4
+        # steps of Adam at 2 ranks). An optimizer that evaluates it a data-dependent number of times (LBFGS) must do
+        # so alike on every rank, as under DDP: else the average's announcement raises on every rank.
+        if not self._schedule.cadence.in_warmup(self._schedule.t):
+            return closure
+
+        def averaged():
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
+                self._schedule.average_gradients(self._schedule.t)
+            return loss
+        averaged.averages = True
+        return averaged
+
+    def _average_gradients(self, found_inf):
+        if not getattr(self._closure, "averages", False):  # else after each evaluation of the closure
+            super()._average_gradients(found_inf)
 
     def _initialize_state(self):
         self.inner.step()  # the wrapped optimizer initializes its own state (torch semantics), without gossip
