@@ -78,6 +78,15 @@ class MixBeforeUse:
         return out
 
     def _hook(self, module, args):
+        if torch.compiler.is_compiling():
+            # Dynamo traces a model='s hooks into the compiled forward, where learning and the per-module mix broke
+            # the graph at every module holding parameters (10 graphs of one op, slower than eager; fullgraph=True
+            # failed). While compiling nothing is learned, so no bucket is deferred to a hook: step() mixes them all
+            # (no overlap, exactly ATC) and this traces to nothing; a mix still deferred from eager forwards is applied
+            # here, outside the graph.
+            if self._schedule_pending():
+                _mix_every_pending(self)
+            return
         evaluation = torch.is_inference_mode_enabled() or not (torch.is_grad_enabled() or module.training)
         if evaluation and self._holds_ours(module):
             # an evaluation: every pending mix now, nothing learned (module docstring); not a no_grad forward of a
@@ -89,6 +98,10 @@ class MixBeforeUse:
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
         self._mix_for(module, learn=True)
+
+    def _schedule_pending(self) -> bool:
+        schedule = self._schedule()
+        return schedule is not None and bool(schedule.pending)
 
     def _holds_ours(self, module) -> bool:
         """Whether `module` or a module inside it holds one of the optimizer's parameters (cached per module)."""
@@ -138,6 +151,13 @@ class MixBeforeUse:
 
     def remove(self):
         self._finalizer()
+
+
+@torch.compiler.disable
+def _mix_every_pending(hooks: MixBeforeUse) -> None:
+    schedule = hooks._schedule()
+    if schedule is not None and schedule.pending:
+        schedule.mix_pending()
 
 
 class _Detached(MixBeforeUse):
