@@ -251,6 +251,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
             for name in self._bucket_state_names(b):
                 b.state_buffer(name)
             publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots])
+            b.template = True
 
     def _check_group_options(self, groups: List[dict]) -> None:
         """Raises ValueError for a param group asking for what this optimizer's update does not do (torch.optim

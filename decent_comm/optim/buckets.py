@@ -59,6 +59,8 @@ class Bucket:
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
     classes: Optional[List[int]] = None
     lanes_used: int = 0  # flat buffers allocated so far: the next one starts in the next page lane (flat_memory)
+    # opt.state published for DCP's state initialization, nothing stepped or loaded since (state_views._started)
+    template: bool = False
     cache: StepCache = None  # what the last step found, to tell cheaply that the next finds the same (step_cache)
 
     @property
@@ -314,6 +316,7 @@ def step_segments(b: Bucket) -> List[Segment]:
 def count_steps(b: Bucket) -> None:
     """One optimizer step was taken for every parameter of `b` that has a gradient (grads_present)."""
     has = grads_present(b)
+    b.template = False
     if all(has):
         k = b.cache.uniform_count(b.step_count)
         b.step_count.add_(1)
@@ -333,6 +336,7 @@ def refine_classes(b: Bucket) -> None:
     gradient (grads_present) was updated, or none was. So slots that agreed before and agree on having had a
     gradient agree now."""
     b.classes = _classes_of(zip(b.classes, grads_present(b)))
+    b.template = False
 
 
 def count_on_device(b: Bucket, state) -> None:

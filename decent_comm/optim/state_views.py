@@ -124,11 +124,12 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
                     b.view(b.state[name], s).zero_()
             if count is not None:
                 restart = layout.count_follows_buffers and any(name not in tensors for name in names)
-                if count == 0 and not restart and layout.count_follows_buffers and _started(b, i, names):
+                if count == 0 and not restart and layout.count_follows_buffers and b.template and _started(b, i, names):
                     count = 1.0  # a template's 0 left beside a buffer DCP loaded (_started)
                 b.step_count[i] = 0.0 if restart else count
             elif any(name in tensors for name in names):
                 b.step_count[i] = 1.0
+        b.template = False
         if b.classes is not None:  # the loaded counts decide which slots agree
             b.classes = _classes_of(b.step_count.tolist())
         publish_state(b, state)
@@ -137,11 +138,12 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
 
 
 def _started(b: Bucket, i: int, names: List[str]) -> bool:
-    """Whether slot i's buffers, as just loaded with a count of 0 (DSGD: the steps since its buffer started), hold a
-    started buffer. The count 0 of a DCP template (a new optimizer publishes zero state and counts for dcp.load to fill
-    in) stays beside the buffer of a checkpoint that has no count (torch.optim.SGD's, loaded with allow_partial_load);
-    restarting that buffer at the gradient dropped the momentum. This optimizer never saves a nonzero buffer with a
-    count of 0 (a buffer starts with its count), so a nonzero one has stepped: count 1, as a buffer loaded without one."""
+    """Whether slot i's buffers, as just loaded with a count of 0 into a DCP template (b.template: a new optimizer's
+    zero state and counts, published for dcp.load to fill in), hold a started buffer. The template's count 0 stays
+    beside the buffer of a checkpoint that has no count (torch.optim.SGD's, loaded with allow_partial_load), and
+    restarting that buffer at the gradient dropped the momentum: a nonzero one has stepped, count 1, as a buffer loaded
+    without one. Only into a template: elsewhere a count of 0 beside a nonzero buffer is a user's restart (opt.state[p]
+    ["step"] set to 0), which a save and load must keep."""
     return any(bool(b.view(b.state[name], b.slots[i]).ne(0).any()) for name in names if name in b.state)
 
 
