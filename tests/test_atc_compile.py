@@ -72,3 +72,40 @@ def _eager_training_then_compiled_evaluation(rank, n):
 
 def test_a_compiled_evaluation_after_eager_training_reads_the_mixed_parameters():
     assert run_ranks(_eager_training_then_compiled_evaluation, 2, timeout=300) == [(True, 0.0)] * 2
+
+
+def _eager_then_compiled_training(rank, n):
+    """Three eager training steps (the hooks learn the modules and defer the mixes to the next forward), then three
+    through torch.compile(model, fullgraph=True): (the largest difference from six eager steps, the graphs compiled,
+    whether a mix was deferred after the eager steps, and after the compiled ones)."""
+    graphs, runs, deferred = [], [], []
+
+    def counting(gm, example_inputs):  # through AOTAutograd, where the parameters are the graph's inputs
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    for compiled in (False, True):
+        model = make_model(0)
+        opt = _build(model)
+        forward = model
+        for t in range(6):
+            if t == 3:
+                deferred.append(bool(opt._schedule.pending))
+                forward = torch.compile(model, backend=counting, fullgraph=True) if compiled else model
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((forward(x) - y) ** 2).mean().backward()
+            opt.step()
+        deferred.append(bool(opt._schedule.pending))
+        opt.synchronize()
+        runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        opt.shutdown()
+    return (runs[0] - runs[1]).abs().max().item(), len(graphs), deferred
+
+
+def test_fullgraph_compiled_training_after_eager_training_is_one_graph_and_trains_as_eager():
+    """The first compiled forward stops the deferral for good (step() mixes every bucket, exactly ATC) and applies
+    the mix the last eager step deferred while Dynamo traces, so nothing runs outside the graph: the deferred mix was
+    a torch.compiler.disable'd call in it (a graph break per deferring module; fullgraph=True raised Dynamo's "Skip
+    calling torch.compiler.disable()'d function"). An eager-only run keeps deferring (the overlap)."""
+    assert run_ranks(_eager_then_compiled_training, 2, timeout=300) == [(0.0, 1, [True, True, True, False])] * 2

@@ -9,6 +9,9 @@ any module, or not seen in a forward yet) is mixed at the end of step(), without
 The one assumption, as for Megatron's and FSDP's forward pre-hooks: a parameter is first used inside the
 forward of a module that holds it directly (in its own ``_parameters``), not read earlier by another module.
 
+Under torch.compile (model= hooks, traced into the forward) nothing is deferred: the first trace of a compiled forward
+turns deferral off for good and applies the pending mix there (_stop_deferring), so the graph holds no mix.
+
 A pending mix is also applied before such a module's ``state_dict()`` is taken (a state_dict pre-hook on each
 module whose forward pre-hook defers a bucket): ``torch.save(model.state_dict())`` before ``opt.state_dict()``
 (which applies every pending mix) once saved the unmixed point, and a resume lost that step's mix.
@@ -45,6 +48,7 @@ class MixBeforeUse:
         self._distrusted: Set[int] = set()  # buckets a training forward used without their module's hook
         self._covers: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._handles = []
+        self._compiled = False  # a compiled forward was traced: nothing is deferred any more (_stop_deferring)
         self._global = model is None
         if model is not None:
             for m in model.modules():
@@ -81,10 +85,10 @@ class MixBeforeUse:
         if torch.compiler.is_compiling():
             # Dynamo traces a model='s hooks into the compiled forward, where learning and the per-module mix broke
             # the graph at every module holding parameters (10 graphs of one op, slower than eager; fullgraph=True
-            # failed). While compiling nothing is learned, so no bucket is deferred to a hook: step() mixes them all
-            # (no overlap, exactly ATC) and this traces to nothing; a mix still deferred from eager forwards is applied
-            # here, outside the graph.
-            if self._schedule_pending():
+            # failed). So a compiled forward turns deferral off for good (_stop_deferring, run while Dynamo traces):
+            # step() mixes every bucket (no overlap, exactly ATC) and this traces to nothing.
+            _stop_deferring(self)
+            if self._schedule_pending():  # none left; read so that the graph guards on it (a recompile if one is)
                 _mix_every_pending(self)
             return
         evaluation = torch.is_inference_mode_enabled() or not (torch.is_grad_enabled() or module.training)
@@ -130,6 +134,8 @@ class MixBeforeUse:
 
     def deferrable(self) -> Set[int]:
         """Buckets whose every parameter is held by a module whose pre-hook will mix it before use."""
+        if self._compiled:
+            return set()
         return {b for b, missing in self._missing.items() if not missing and b not in self._distrusted}
 
     def distrust_used(self, pending) -> None:
@@ -151,6 +157,23 @@ class MixBeforeUse:
 
     def remove(self):
         self._finalizer()
+
+
+@torch.compiler.assume_constant_result
+def _stop_deferring(hooks: MixBeforeUse) -> bool:
+    """Run by Dynamo while it traces a compiled forward's hooks, not by the graph (assume_constant_result: called at
+    trace time, its result a constant): no bucket is deferred to a hook from now on, and the mix eager forwards
+    deferred is applied now, before the compiled forward reads those parameters. Applied by the graph instead, it
+    was a torch.compiler.disable'd call in it after every eager step (a graph break per deferring module, and
+    fullgraph=True raised Dynamo's "Skip calling torch.compiler.disable()'d function"). Only a trace runs this:
+    a cached graph does not, hence off for good (idempotent: a retrace or a second compiled model repeats it)."""
+    schedule = hooks._schedule()
+    if schedule is None:  # the optimizer is gone, or this is a copy's hook (_Detached)
+        return True
+    hooks._compiled = True
+    if schedule.pending:
+        schedule.mix_pending()
+    return True
 
 
 @torch.compiler.disable
