@@ -64,9 +64,9 @@ HOLD_S = 0.1
 
 class CollectiveMismatch(RuntimeError):
     """Ranks announced different batches of all-reduces (``BoundedAllReduce.agree``). ``sides``: rank -> (what,
-    label, number of tensors, elements), or None for a rank whose words did not come through the store."""
+    label, number of tensors, elements[, sub]), or None for a rank whose words did not come through the store."""
 
-    def __init__(self, message: str, sides: Dict[int, Optional[Tuple[str, int, int, int]]]):
+    def __init__(self, message: str, sides: Dict[int, Optional[Tuple]]):
         super().__init__(message)
         self.sides = sides
 
@@ -146,9 +146,11 @@ class BoundedAllReduce:
         if self._error is not None:
             raise ExchangeError(f"decent_comm: {what}: unusable after an earlier error; the error was: {self._error}")
 
-    def agree(self, what: str, label: int, sizes: Sequence[int]) -> None:
+    def agree(self, what: str, label: int, sizes: Sequence[int], sub: Optional[int] = None) -> None:
         """Before a batch of all-reduces (`sizes`: their element counts; `label`: e.g. the step): returns when every
-        rank announced the same batch on this object, else raises CollectiveMismatch on every rank (see above)."""
+        rank announced the same batch on this object, else raises CollectiveMismatch on every rank (see above).
+        `sub`: which of several batches under one label this is (e.g. the closure evaluation of a step), only put
+        into words on a mismatch: ranks whose earlier batches all agreed are at the same one when at the same label."""
         self._check_usable(what)
         mine = [_crc(self._namespace), _crc(what), float(label), float(len(sizes)), float(sum(sizes))]
         rows = torch.zeros((self.world_size, len(mine)), dtype=torch.float64, device=self.device)
@@ -164,10 +166,11 @@ class BoundedAllReduce:
             return
         # Every rank saw the same rows, so each gets here at this same call: put each side into words through
         # the store (a few ms, on this path only).
-        sides: Dict[int, Optional[Tuple[str, int, int, int]]] = {r: None for r in range(self.world_size)}
+        sides: Dict[int, Optional[Tuple]] = {r: None for r in range(self.world_size)}
         try:
             said, _ = swap(f"decent_comm/agree/{group_name}/{seq}", self.rank, range(self.world_size),
-                           json.dumps([what, int(label), len(sizes), int(sum(sizes))]), BLAME_GRACE_S)
+                           json.dumps([what, int(label), len(sizes), int(sum(sizes))] + ([] if sub is None else [sub])),
+                           BLAME_GRACE_S)
             sides.update({r: tuple(json.loads(v)) for r, v in said.items()})
         except dist.DistError:  # the store failed: a side unknown in words is still known to differ
             pass

@@ -132,13 +132,15 @@ class GossipSchedule(ScheduleCheckpoint):
         if self.adaptive is not None and value is not None:
             self.adaptive.record_step_sq(value)
 
-    def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None) -> bool:
+    def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None,
+                          evaluation: Optional[int] = None) -> bool:
         """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
-        identical; warmup.WarmupAverage.average). Returns whether this step is a warm-up step."""
+        identical; warmup.WarmupAverage.average; `evaluation`: the wrapped optimizer's closure evaluation of the
+        step). Returns whether this step is a warm-up step."""
         if not self.cadence.in_warmup(step):
             return False
         if self.warmup is not None:
-            self.warmup.average(step, found_inf)
+            self.warmup.average(step, found_inf, evaluation)
         return True
 
     # -------------------------------------------------------------------------------------- communication

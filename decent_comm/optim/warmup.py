@@ -19,18 +19,22 @@ class WarmupAverage:
 
     @traced("warmup_allreduce")
     @torch.no_grad()
-    def average(self, step: int, found_inf: Optional[torch.Tensor]):
+    def average(self, step: int, found_inf: Optional[torch.Tensor], evaluation: Optional[int] = None):
         """Replaces every bucket's gradient by the mean over the ranks: one all-reduce per bucket, plus one of the
         count of the ranks that have each gradient, and one of `found_inf` so every rank skips an overflow together.
 
         DDP(find_unused_parameters=True)'s update: a parameter this rank did not use (.grad None) adds a zero
         gradient, not what its slot of the flat buffer still holds from an earlier step, and takes the mean like
-        every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient."""
+        every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient.
+
+        `evaluation`: the wrapped optimizer's closure evaluation of this step (Decentralized(LBFGS) averages after
+        each), announced with it, so that ranks evaluating it unequally often are told so."""
         slots = [(b, s) for b in self.buckets for s in b.slots]
         absent = [k for k, (_, s) in enumerate(slots) if s.param.grad is None]
         scaler = [found_inf.numel()] if found_inf is not None else []
         what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
-        announce(self.all_reduce, what, step, [len(slots)] + [b.grad.numel() for b in self.buckets] + scaler)
+        announce(self.all_reduce, what, step, [len(slots)] + [b.grad.numel() for b in self.buckets] + scaler,
+                 evaluation)
         if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
             self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (culprits())
         used = torch.ones(len(slots), dtype=torch.float32, device=self.device)

@@ -89,16 +89,21 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         # In a warm-up step every evaluation's gradients are averaged before the wrapped optimizer reads them (DDP's
         # backward): averaged before the closure ran, the stale .grad were, and the replicas drifted apart (0.25 in 4
         # steps of Adam at 2 ranks). An optimizer that evaluates it a data-dependent number of times (LBFGS) must do
-        # so alike on every rank, as under DDP: else the average's announcement raises on every rank.
+        # so alike on every rank, as under DDP: else the average's announcement raises on every rank, saying so (it
+        # carries the evaluation's number).
         if not self._schedule.cadence.in_warmup(self._schedule.t):
             return closure
 
+        evaluations = 0
+
         def averaged():
+            nonlocal evaluations
+            evaluations += 1
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
                 gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
-                self._schedule.average_gradients(self._schedule.t)
+                self._schedule.average_gradients(self._schedule.t, evaluation=evaluations)
             return loss
         averaged.averages = True
         return averaged
