@@ -1,7 +1,9 @@
 """Decentralized(LBFGS) in the warm-up, where each closure evaluation's gradients are averaged over the ranks: ranks
 that evaluate the closure unequally often are told so (not that they took different numbers of steps), the advice
-given makes the evaluations even (and the update torch's LBFGS on the ranks' mean loss)."""
+given makes the evaluations even (and the update torch's LBFGS on the ranks' mean loss), and check_finite names
+only the rank whose own gradient was non-finite."""
 
+import pytest
 import torch
 
 import decent_comm
@@ -80,3 +82,14 @@ def test_the_advice_evens_the_evaluations_and_steps_as_torch_lbfgs_on_the_mean_l
         assert not isinstance(params, str), (rank, params)
         for p, ref in zip(params, reference):
             torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inner", ["LBFGS", "Adam"])
+def test_check_finite_names_only_the_rank_whose_closure_gradient_was_non_finite(inner):
+    """LBFGS evaluates the closure again after the first evaluation's average carried rank 1's NaN to rank 0: rank
+    0's own gradient was non-finite then too, and both ranks were named."""
+    res = run_ranks(_wrapped_in_warmup, 2, LBFGS if inner == "LBFGS" else None, True, timeout=120)
+    for rank, msg in enumerate(res):
+        assert f"rank {rank}: the parameters of bucket(s) [0] are not finite after optimizer step 0, a warm-up step " \
+               "whose gradient average carried the non-finite gradients of rank 1 (check_finite" in msg, (rank, msg)
+

@@ -16,6 +16,7 @@ class WarmupAverage:
     def __init__(self, buckets, all_reduce, world_size: int, device: torch.device, check_finite: bool, cadence):
         self.buckets, self.all_reduce, self.world_size = buckets, all_reduce, world_size
         self.device, self.check_finite, self.cadence = device, check_finite, cadence
+        self._evaluations = (None, 1)  # (step, the closure evaluations averaged in it so far): for culprits()
 
     @traced("warmup_allreduce")
     @torch.no_grad()
@@ -35,8 +36,11 @@ class WarmupAverage:
         what = "the warm-up gradient average" + (" with GradScaler's overflow flag" if scaler else "")
         announce(self.all_reduce, what, step, [len(slots)] + [b.grad.numel() for b in self.buckets] + scaler,
                  evaluation)
+        self._evaluations = (step, evaluation or 1)
         if self.check_finite and not all(torch.isfinite(b.grad).all() for b in self.buckets):
-            self.all_reduce.flag(f"nonfinite-gradient/{step}")  # the average cannot tell whose it was (culprits())
+            # the average cannot tell whose it was (culprits()); flagged per evaluation, as a later one's gradients
+            # are non-finite on every rank once an earlier one's average carried them
+            self.all_reduce.flag(f"nonfinite-gradient/{step}/{evaluation or 1}")
         used = torch.ones(len(slots), dtype=torch.float32, device=self.device)
         if absent:
             used[absent] = 0
@@ -63,9 +67,16 @@ class WarmupAverage:
 
     def culprits(self, step: Optional[int]) -> str:
         """For check_finite's message after step `step`, when a warm-up step: the ranks whose own gradients were
-        non-finite (every rank's parameters are, once the average carried them); "" otherwise."""
+        non-finite (every rank's parameters are, once the average carried them); "" otherwise. With several
+        closure evaluations in the step, those of the first evaluation any rank flagged: at the later ones every
+        rank's gradients are non-finite, computed at the parameters the carried values made non-finite (LBFGS
+        named every rank)."""
         if step is None or not self.cadence.in_warmup(step):
             return ""
-        ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}")
-        return (f", a warm-up step whose gradient average carried the non-finite gradients of {ranks_text(ranks)}"
-                if ranks else "")
+        last, evaluations = self._evaluations
+        for evaluation in range(1, (evaluations if last == step else 1) + 1):  # store look-ups on this path only
+            ranks = self.all_reduce.flagged(f"nonfinite-gradient/{step}/{evaluation}")
+            if ranks:
+                return (", a warm-up step whose gradient average carried the non-finite gradients of "
+                        f"{ranks_text(ranks)}")
+        return ""
