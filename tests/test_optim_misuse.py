@@ -259,17 +259,26 @@ def test_decentralized_hooks_and_lbfgs_closure():
     assert losses[-1] < 1e-6 < losses[0]  # LBFGS solves the least-squares problem
 
 
+DDP_WRAPS = ("the DDP wrap", "none", "the inner model, wrapped before", "the inner model, wrapped after",
+             "none, wrapped after the first step", "none, wrapped after the first step (atc)")
+
+
 def _ddp_wrapped(rank, n):
     out = []
-    for given in ("the DDP wrap", "none", "the inner model, wrapped before", "the inner model, wrapped after"):
+    for given in DDP_WRAPS:
         model = make_model(0)
         ddp = torch.nn.parallel.DistributedDataParallel(model) if "after" not in given else None
         try:
             opt = decent_comm.DSGD(model.parameters(), lr=0.1, timeout=20, model={
-                "the DDP wrap": ddp, "none": None}.get(given, model))
+                "the DDP wrap": ddp}.get(given, None if given.startswith("none") else model),
+                mode="atc" if "atc" in given else "awc")
+            if "first step" in given:
+                model(torch.zeros(1, 4)).sum().backward()
+                opt.step()
             ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
-            ddp(torch.zeros(1, 4)).sum().backward()
-            opt.step()
+            for _ in range(2):
+                ddp(torch.zeros(1, 4)).sum().backward()
+                opt.step()
             out.append("no error")
         except RuntimeError as exc:
             out.append(str(exc))
@@ -278,9 +287,13 @@ def _ddp_wrapped(rank, n):
 
 def test_model_left_in_ddp_is_refused():
     """Also when model= is the module DDP wraps: it trained with both DDP's all-reduce and the gossip (the check was
-    the global hook's, which model= no longer installs)."""
+    the global hook's, which model= no longer installs). And a wrap after the first step without model=, once the
+    global hook was gone: DDP's broadcast tripped the write-during-send check, whose advice (synchronize()) led to
+    training with both."""
     for msgs in run_ranks(_ddp_wrapped, 2, timeout=120):
-        assert len(msgs) == 4 and all("DistributedDataParallel" in m for m in msgs), msgs
+        assert len(msgs) == len(DDP_WRAPS), msgs
+        for given, msg in zip(DDP_WRAPS, msgs):
+            assert "wrapped in DistributedDataParallel" in msg, (given, msg)
 
 
 @pytest.mark.parametrize("inner", ["DSGD", "Decentralized(SGD)"])

@@ -191,7 +191,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._ddp_guard is not None:  # a DDP wrap would have shown in the forward before the first step
+        if self._ddp_guard is not None:  # a wrap made before the optimizer would have shown in a forward by now
             self._ddp_guard.remove()
             self._ddp_guard = None
         check_param_groups(self.param_groups, self._groups_built)

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_pre_hook, register_module_module_registration_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
@@ -276,10 +276,14 @@ _DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, w
 
 
 class DDPGuard:
-    """Refuses a model left wrapped in DDP. With `model=`: at construction when it is the DDP wrap, else at a forward
-    that DDP runs (a pre-hook on the model, kept: removing it would change what torch.compile guards on, and a
-    compiled model would compile twice). Without: at the first forward of a DDP holding our parameters (a global
-    forward pre-hook, removed at the optimizer's first step(), as a wrap would have shown by then)."""
+    """Refuses a model left wrapped in DDP. A wrap made while the optimizer lives: in DDP's constructor, before its
+    broadcast of rank 0's parameters (a global hook on submodule registration, kept: it runs when any module assigns
+    a submodule, never in a forward or step; without it a wrap after the first step went unseen, the broadcast's
+    write tripped the write-during-send check, whose advice, synchronize(), led to training with both DDP's
+    all-reduce and the gossip). A wrap made before: with `model=`, at construction when it is the DDP wrap, else at
+    a forward that DDP runs (a pre-hook on the model, kept: removing it would change what torch.compile guards on,
+    and a compiled model would compile twice); without, at the first forward of a DDP holding our parameters (a
+    global forward pre-hook, removed at the optimizer's first step(), as such a wrap would have shown by then)."""
 
     def __init__(self, owner, buckets, model=None):
         self._ours = {id(s.param) for b in buckets for s in b.slots}
@@ -290,6 +294,13 @@ class DDPGuard:
         else:
             self._handle, self._global = register_module_forward_pre_hook(self._hook), True
         weakref.finalize(owner, self._handle.remove)
+        weakref.finalize(owner, register_module_module_registration_hook(self._wrap_hook).remove)
+
+    def _wrap_hook(self, parent, name, module):
+        # DDP.__init__ assigns `self.module = module` before any collective of its own
+        if isinstance(parent, DistributedDataParallel) and module is not None and \
+                any(id(p) in self._ours for p in module.parameters()):
+            raise RuntimeError(_DDP_MESSAGE)
 
     def _hook(self, module, args):
         if isinstance(module, DistributedDataParallel) and any(id(p) in self._ours for p in module.parameters()):
