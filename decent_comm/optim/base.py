@@ -209,7 +209,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
             with torch.enable_grad():
                 loss = closure()
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
-            gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
+            self._gather_grads()
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
             self._average_gradients(found_inf)
             self._amp, skip_update = self._amp_for_step(found_inf)
@@ -223,6 +223,11 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
             self._closure = None
             self._note_state()
         return loss if self._closure_loss is None else self._closure_loss
+
+    def _gather_grads(self):
+        """The flat gradient buffers take every .grad (grads.gather_grads); a parameter whose storage must be copied
+        back into its bucket first waits for the bucket's transfers (the copy writes it)."""
+        gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
 
     def _is_state_initialization(self) -> bool:
         """torch.distributed.checkpoint's get/set_state_dict initialize an optimizer whose state is empty with a

@@ -9,7 +9,6 @@ from .. import ops
 from .device_scalars import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
-from .grads import gather_grads
 from .tracing import traced
 
 
@@ -102,7 +101,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                gather_grads(self._buckets, self._takes_sparse, before_copy=self._schedule.complete_transfers)
+                self._gather_grads()
                 self._schedule.average_gradients(self._schedule.t, evaluation=evaluations)
             return loss
         averaged.averages = True
