@@ -11,7 +11,7 @@ import torch
 import decent_comm
 
 from dist_utils import run_ranks
-from optim_cases import EVERY_UTILITY, make_model, train_steps
+from optim_cases import EVERY_UTILITY, batch, make_model, train_steps
 
 # ----------------------------------------------------------------------------------------- one process
 
@@ -305,3 +305,45 @@ def test_wrapping_an_optimizer_that_is_decentralized_already_is_refused(inner):
         decent_comm.Decentralized(torch.optim.SGD(params, lr=0.1))
     with pytest.raises(ValueError, match=f"{type(opt).__name__}, which is decentralized already"):
         decent_comm.Decentralized(opt)
+
+
+def _ddp_after_shutdown(rank, n, give_model):
+    """Decentralized training, shutdown(), then DDP fine-tuning with torch SGD: (the largest difference of DDP's
+    parameters from SGD on the ranks' mean gradient from rank 0's parameters, computed here in float64)."""
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.05, timeout=60, model=model if give_model else None)
+    for t in range(3):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    opt.shutdown()
+    start = [p.detach().clone() for p in model.parameters()]
+    torch.distributed.broadcast_object_list(start, src=0)  # DDP starts every replica from rank 0's parameters
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    reference = make_model(0).double()
+    with torch.no_grad():
+        for q, p0 in zip(reference.parameters(), start):
+            q.copy_(p0)
+    for t in range(3, 5):
+        x, y = batch(rank, t)
+        sgd.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        sgd.step()
+        reference.zero_grad()
+        for r in range(n):  # DDP's gradient: the mean of the ranks' own
+            xr, yr = batch(r, t)
+            (((reference(xr.double()) - yr.double()) ** 2).mean() / n).backward()
+        with torch.no_grad():
+            for q in reference.parameters():
+                q -= 0.1 * q.grad
+    return max((p.double() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("give_model", [False, True], ids=["global-hook", "model"])
+def test_ddp_fine_tuning_after_shutdown_is_allowed(give_model):
+    """After shutdown() the optimizer gossips no more: a run that ends with DDP fine-tuning wraps the model in DDP
+    (it was refused as 'wrapped in DistributedDataParallel' while the optimizer object lived)."""
+    for err in run_ranks(_ddp_after_shutdown, 2, give_model, timeout=120):
+        assert err < 1e-6, err

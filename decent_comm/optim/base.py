@@ -94,7 +94,7 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
             if self.world_size > 1 and len(self._buckets) > MAX_BUCKETS:  # else the step that reached it failed
                 raise ValueError(f"{len(self._buckets)} buckets (bucket_cap_mb={bucket_cap_mb}): the exchange takes "
                                  f"at most {MAX_BUCKETS}; raise bucket_cap_mb (or use fewer param groups)")
-            self._ddp_guard = DDPGuard(self, self._buckets, model)
+            self._ddp_guard, self._watching_forwards = DDPGuard(self, self._buckets, model), True
             if self.world_size > 1:
                 config = replica_config(self._buckets, topology, self.param_groups, model,
                                         optimizer=self._optimizer_name(),
@@ -191,9 +191,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._ddp_guard is not None:  # a wrap made before the optimizer would have shown in a forward by now
+        if self._watching_forwards:  # a wrap made before the optimizer would have shown in a forward by now
             self._ddp_guard.remove()
-            self._ddp_guard = None
+            self._watching_forwards = False
         check_param_groups(self.param_groups, self._groups_built)
         self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
         self._schedule.check_running()
@@ -376,4 +376,5 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
         """Completes pending communication (ATC: applies the pending mix, so the parameters are x^{t+1}) and releases
         the exchanger and the process group (call before destroying the group)."""
         self._schedule.shutdown()
+        self._ddp_guard.close()
 

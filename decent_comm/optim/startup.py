@@ -293,8 +293,8 @@ class DDPGuard:
             self._handle, self._global = model.register_forward_pre_hook(self._model_hook), False
         else:
             self._handle, self._global = register_module_forward_pre_hook(self._hook), True
-        weakref.finalize(owner, self._handle.remove)
-        weakref.finalize(owner, register_module_module_registration_hook(self._wrap_hook).remove)
+        self._wrap_handle = register_module_module_registration_hook(self._wrap_hook)
+        weakref.finalize(owner, self.close)
 
     def _wrap_hook(self, parent, name, module):
         # DDP.__init__ assigns `self.module = module` before any collective of its own
@@ -316,3 +316,11 @@ class DDPGuard:
         if self._global and self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def close(self):
+        """At shutdown() (or when the optimizer is collected): a DDP wrap is the user's to make from now on (a run
+        that ends with DDP fine-tuning), as the optimizer no longer gossips."""
+        for handle in (self._handle, self._wrap_handle):
+            if handle is not None:
+                handle.remove()
+        self._handle = self._wrap_handle = None
