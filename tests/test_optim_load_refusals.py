@@ -131,9 +131,22 @@ def test_another_topology_or_cadence_is_refused_naming_both_and_what_to_do():
     with pytest.raises(ValueError, match=r"gossip_every=1, this optimizer has gossip_every=2\. To go on .* drop the "
                                          r"'decentralized' entry"):
         cadence.load_state_dict(copy.deepcopy(saved))
+    stepped = decent_comm.DAdamW(m.parameters(), topology="one-peer-exp", **HP)
+    for t in range(3):
+        step(m, stepped, t)
+    with pytest.raises(ValueError) as refused:
+        stepped.load_state_dict(copy.deepcopy(saved))
+    # what the message says the advice does (it said "the gossip schedule then starts afresh (step 0 ...)", which a
+    # load into an optimizer that has stepped does not do: load_state_dict without the entry leaves the schedule)
+    assert str(refused.value).endswith("drop the 'decentralized' entry before loading: a new optimizer's gossip "
+                                       "schedule then starts at step 0 of its topology and cadence (its warm-up runs "
+                                       "again); one that has stepped keeps its own position."), refused.value
     saved["param_groups"][0].pop("decentralized")  # as advised: the moments load, the schedule starts afresh
-    opt.load_state_dict(saved)
+    opt.load_state_dict(copy.deepcopy(saved))
     assert torch.equal(opt.state[next(iter(opt.state))]["exp_avg"], src.state[next(iter(src.state))]["exp_avg"])
+    stepped.load_state_dict(saved)
+    schedule_step = lambda o: o.state_dict()["param_groups"][0]["decentralized"]["step"]  # noqa: E731
+    assert (schedule_step(src), schedule_step(opt), schedule_step(stepped)) == (1, 0, 3)
 
 
 def test_the_schedule_entry_keeps_the_keys_earlier_checkpoints_hold():

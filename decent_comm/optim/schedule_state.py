@@ -18,6 +18,10 @@ CORRECTION = "delayed_mix_correction"
 
 log = logging.getLogger(__name__)
 
+#: What loading without the "decentralized" entry does to the schedule (load_state_dict leaves it where it is)
+_WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of its topology and cadence (its warm-up "
+                  "runs again); one that has stepped keeps its own position.")
+
 
 def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool, num_params: int):
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
@@ -157,13 +161,15 @@ class ScheduleCheckpoint:
             if key in extra and extra[key] != mine:
                 raise ValueError(f"this state_dict was saved by {key} {extra[key]}, this optimizer has {key} {mine}:"
                                  " every rank loads its own state_dict (its optimizer state and where the gossip "
-                                 "schedule stands). To start a schedule afresh from another rank's moments, drop "
-                                 "the 'decentralized' entry before loading. (torch.distributed.checkpoint saving "
-                                 "every rank under one checkpoint_id keeps a single rank's copy of each entry, "
-                                 "parameters included, as if the replicas were identical: save each rank under its "
-                                 "own checkpoint_id with no_dist=True, docs/api.md.)")
+                                 "schedule stands). To go on from another rank's moments (at another world size: "
+                                 "rank 0's on every rank, docs/state.md 'Resuming at another world size or "
+                                 "topology'), drop the 'decentralized' entry before loading" + _WITHOUT_ENTRY +
+                                 " (torch.distributed.checkpoint saving every rank under one checkpoint_id keeps a "
+                                 "single rank's copy of each entry, parameters included, as if the replicas were "
+                                 "identical: save each rank under its own checkpoint_id with no_dist=True, "
+                                 "docs/state.md.)")
         afresh = (" To go on from its moments under this optimizer's schedule, drop the 'decentralized' entry before "
-                  "loading: the gossip schedule then starts afresh (step 0 of its topology and cadence).")
+                  "loading" + _WITHOUT_ENTRY)
         for key in ("gossip_every", "warmup_steps", "delayed_mix"):
             if key in extra and extra[key] != getattr(self.cadence, key):
                 raise ValueError(f"the checkpoint was written with {key}={extra[key]}, this optimizer has "
