@@ -162,3 +162,16 @@ def test_the_test_extra_has_what_requirements_dev_installs():
     dev = names(line.split("#")[0] for line in read("requirements-dev.txt").splitlines())
     already = names(project["project"]["dependencies"] + project["build-system"]["requires"])
     assert dev - already <= names(project["project"]["optional-dependencies"]["test"]), dev - already
+
+
+def test_the_world_size_refusal_names_the_section_that_says_how_to_resume():
+    """load_state_dict's refusal of another world size points to a section of docs/state.md by its title, and the
+    README's checkpoint paragraph links it: a renamed section must rename both."""
+    opt = decent_comm.DAdamW(torch.nn.Linear(2, 1).parameters(), lr=0.01)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["decentralized"]["world_size"] = 3
+    with pytest.raises(ValueError) as refused:
+        opt.load_state_dict(saved)
+    title = re.search(r"docs/state\.md '([^']+)'", str(refused.value)).group(1)
+    assert f"\n## {title}\n" in read("docs/state.md")
+    assert f"(docs/state.md#{title.lower().replace(' ', '-')})" in read("README.md")
