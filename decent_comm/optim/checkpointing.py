@@ -119,6 +119,10 @@ class StateDictMixin:
                                                        len(self._param_list()))
         self._schedule.check_loadable(extra)
         self._check_state_names(state_dict.get("state", {}))
+        # The int8 wire's round in flight goes into the live copies first, on every rank: a state dict without
+        # copies and without the schedule entry (a torch.optim checkpoint, rank 0's state at another world size)
+        # keeps them, and the senders' own copies already hold that round. Loaded or restarted copies replace them.
+        self._schedule.complete_wire_round()
         self._load_optimizer_state_dict(state_dict)
         if restart_copies or not int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
             drop_named_state(self._buckets, self.state, WIRE_PREFIX)

@@ -169,7 +169,8 @@ class Int8Wire:
         return MixInputs(copies + [own])
 
     def forget(self):
-        """A checkpoint was loaded: its copies replace these, and nothing in flight is decoded any more."""
+        """A checkpoint was loaded: nothing in flight is decoded any more (the round in flight was added to the
+        copies before the load, GossipSchedule.complete_wire_round; the load then replaced, restarted or kept them)."""
         self._undecoded.clear()
         self._names_of = (None, [])
 

@@ -344,9 +344,7 @@ class GossipSchedule(ScheduleCheckpoint):
     def forget_inflight(self):
         """What neighbours sent is stale (the parameters were replaced): the next step exchanges afresh. The int8
         wire adds it to the copies all the same: the senders' copies have it."""
-        if self.wire is not None and self.inflight is not None and not self.inflight.silent:
-            for b in self.buckets:
-                self.received(b, self._mix_form(self.inflight))
+        self.complete_wire_round()
         self.inflight = None
         self._restored = False
 

@@ -32,8 +32,10 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
     the round in flight at the checkpoint is dropped (mixing it would read the zero copies as the neighbours'
     parameters): the resumed run is sane but not exact, which is logged. Copies of only some of the `num_params`
     parameters (DCP drops the state of parameters with requires_grad=False; a wrapped torch optimizer has none for a
-    parameter that never had a gradient) are loaded as they are: the others keep their values, equal on every rank,
-    so the round in flight mixes them as no change; also not exact, also logged."""
+    parameter that never had a gradient) are loaded as they are: the others keep their values, equal on every rank
+    in a new optimizer (the round in flight mixes them as no change) and on both ends of each edge in a live one
+    (complete_wire_round); also not exact, also logged. Without the entry and without copies the live copies stay
+    too: a torch.optim checkpoint, rank 0's state from a run without the int8 wire."""
     names = {name for st in saved_state.values() for name in (st or {})}
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     if not where:
@@ -181,6 +183,16 @@ class ScheduleCheckpoint:
                              f"this optimizer has {self.topology.name!r}, fingerprint {self.topology.fingerprint()})."
                              + afresh)
 
+    def complete_wire_round(self):
+        """The int8 wire: adds the payloads of the round in flight (and, ATC, of its buckets not mixed yet) to this
+        rank's copies of its neighbours, where its mix would have: each sender advanced its own copy when it launched
+        the round (encode), so a round dropped without this leaves the two ends of every edge differing by its
+        payload, and each later mix (x_i + sum_j w_ij r_j - (sum_j w_ij) s_i) moves the replicas' mean by it."""
+        plan = self.inflight
+        if self.wire is not None and plan is not None and not plan.silent:
+            for b in self.buckets:
+                self.received(b, self._mix_form(plan))
+
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
         self.check_loadable(extra)
@@ -198,7 +210,8 @@ class ScheduleCheckpoint:
             raise ValueError(f"the checkpoint has a delayed_mix round in flight but no '{CORRECTION}' state for the "
                              f"parameters of bucket(s) {missing}: load the optimizer state and its 'decentralized' "
                              "entry from the same state_dict")
-        # Whatever was in flight carried the old parameters: start the next exchange afresh.
+        # Whatever was in flight carried the old parameters: start the next exchange afresh (the int8 wire's round
+        # was added to the copies before the load, complete_wire_round: the copies the load leaves agree).
         self.complete_transfers()
         self.inflight = None
         self.pending = set()
