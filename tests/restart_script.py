@@ -16,12 +16,14 @@ OUT = os.environ["OUT"]
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 # The recipe: an attempt's process group on keys of its own (torchrun reuses its store across attempts, and gloo
-# read the previous attempt's peer addresses from it; decent_comm keeps its own keys in the same store).
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                      is_master=False)
-dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
-                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-rank = dist.get_rank()
+# read the previous attempt's peer addresses from it; decent_comm keeps its own keys in the same store). The agent
+# hosts that store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, then rank 0 does.
+rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                      is_master=not agent_hosts and rank == 0)
+dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                        world_size=world_size)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))

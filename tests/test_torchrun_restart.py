@@ -2,6 +2,7 @@
 they resume from their checkpoints and end with the parameters of an uninterrupted run, bit for bit (the state dict
 holds the flat moments, the counts and the schedule's position; the CPU kernels repeat the same operations)."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -17,11 +18,17 @@ def _run(out, kill_at):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out), "KILL_AT": str(kill_at),
            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)], proc.stdout
+    # A session of its own: on a timeout the workers are killed with the agent (killing the agent alone left them)
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError("torchrun did not finish within 300 s:\n" + (stdout + stderr)[-6000:])
+    assert proc.returncode == 0, (stdout + stderr)[-6000:]
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)], stdout
 
 
 def test_a_run_restarted_after_a_killed_rank_ends_as_an_uninterrupted_one(tmp_path):
