@@ -109,3 +109,68 @@ def test_fullgraph_compiled_training_after_eager_training_is_one_graph_and_train
     a torch.compiler.disable'd call in it (a graph break per deferring module; fullgraph=True raised Dynamo's "Skip
     calling torch.compiler.disable()'d function"). An eager-only run keeps deferring (the overlap)."""
     assert run_ranks(_eager_then_compiled_training, 2, timeout=300) == [(0.0, 1, [True, True, True, False])] * 2
+
+
+def _compiled_before_the_optimizer(rank, n, reset):
+    """A compiled evaluation run before the ATC optimizer exists, eager training, then the compiled evaluation again:
+    (the warnings logged at construction, the largest difference of the compiled output from the eager one at the
+    mixed point)."""
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    model = make_model(0)
+    compiled = torch.compile(model, backend="aot_eager")
+    model.eval()
+    with torch.no_grad():
+        compiled(batch(rank, 99)[0])  # a baseline evaluation before training
+    model.train()
+    opt = _build(model)
+    warned = [m for m in logged if "compiled (torch.compile) before the optimizer" in m]
+    if reset:  # the warning's remedy
+        torch._dynamo.reset()
+    for t in range(3):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = compiled(batch(rank, 9)[0])
+        opt.synchronize()
+        eager = model(batch(rank, 9)[0])
+    opt.shutdown()
+    logging.getLogger("decent_comm").removeHandler(handler)
+    return len(warned), (out - eager).abs().max().item()
+
+
+def test_a_model_compiled_before_the_optimizer_is_warned_of_and_the_remedy_works():
+    """Dynamo does not guard on a module's hooks (skip_nnmodule_hook_guards): a graph compiled before the ATC hooks
+    existed never runs them, and the compiled evaluation read the unmixed parameters (0.138 off), silently. Now a
+    warning names it, and its remedy (torch._dynamo.reset() after building the optimizer) reads the mixed ones."""
+    warned, off = zip(*run_ranks(_compiled_before_the_optimizer, 2, False, timeout=300))
+    assert warned == (1, 1) and min(off) > 1e-3, off  # what the warning is about
+    assert run_ranks(_compiled_before_the_optimizer, 2, True, timeout=300) == [(1, 0.0)] * 2
+
+
+def _compiled_after_the_optimizer(rank, n):
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")(torch.ones(1, 2))  # another graph in the process
+    model = make_model(0)
+    opt = _build(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(batch(rank, 0)[0])
+    opt.shutdown()
+    logging.getLogger("decent_comm").removeHandler(handler)
+    return [m for m in logged if "compiled (torch.compile) before the optimizer" in m]
+
+
+def test_a_model_compiled_after_the_optimizer_is_not_warned_of():
+    assert run_ranks(_compiled_after_the_optimizer, 2, timeout=300) == [[], []]
