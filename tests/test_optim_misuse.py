@@ -1,7 +1,8 @@
 """Misuse of the optimizers is a clear error naming what is wrong, never a crash or a silently wrong result:
 sparse gradients, parameters sharing memory, a model converted after construction, a parameter written while its
-exchange is in flight, add_param_group, a model left in DDP, and options checked whatever the world size. Ranks that
-disagree are in test_optim_mismatch.py; late, silent, dead or non-finite ranks in test_optim_faults.py."""
+exchange is in flight, add_param_group, and options checked whatever the world size. A model left in DDP is in
+test_optim_ddp.py; ranks that disagree in test_optim_mismatch.py; late, silent, dead or non-finite ranks in
+test_optim_faults.py."""
 
 import re
 
@@ -11,7 +12,7 @@ import torch
 import decent_comm
 
 from dist_utils import run_ranks
-from optim_cases import EVERY_UTILITY, batch, make_model, train_steps
+from optim_cases import EVERY_UTILITY, make_model, train_steps
 
 # ----------------------------------------------------------------------------------------- one process
 
@@ -259,43 +260,6 @@ def test_decentralized_hooks_and_lbfgs_closure():
     assert losses[-1] < 1e-6 < losses[0]  # LBFGS solves the least-squares problem
 
 
-DDP_WRAPS = ("the DDP wrap", "none", "the inner model, wrapped before", "the inner model, wrapped after",
-             "none, wrapped after the first step", "none, wrapped after the first step (atc)")
-
-
-def _ddp_wrapped(rank, n):
-    out = []
-    for given in DDP_WRAPS:
-        model = make_model(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(model) if "after" not in given else None
-        try:
-            opt = decent_comm.DSGD(model.parameters(), lr=0.1, timeout=20, model={
-                "the DDP wrap": ddp}.get(given, None if given.startswith("none") else model),
-                mode="atc" if "atc" in given else "awc")
-            if "first step" in given:
-                model(torch.zeros(1, 4)).sum().backward()
-                opt.step()
-            ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
-            for _ in range(2):
-                ddp(torch.zeros(1, 4)).sum().backward()
-                opt.step()
-            out.append("no error")
-        except RuntimeError as exc:
-            out.append(str(exc))
-    return out
-
-
-def test_model_left_in_ddp_is_refused():
-    """Also when model= is the module DDP wraps: it trained with both DDP's all-reduce and the gossip (the check was
-    the global hook's, which model= no longer installs). And a wrap after the first step without model=, once the
-    global hook was gone: DDP's broadcast tripped the write-during-send check, whose advice (synchronize()) led to
-    training with both."""
-    for msgs in run_ranks(_ddp_wrapped, 2, timeout=120):
-        assert len(msgs) == len(DDP_WRAPS), msgs
-        for given, msg in zip(DDP_WRAPS, msgs):
-            assert "wrapped in DistributedDataParallel" in msg, (given, msg)
-
-
 @pytest.mark.parametrize("inner", ["DSGD", "Decentralized(SGD)"])
 def test_wrapping_an_optimizer_that_is_decentralized_already_is_refused(inner):
     """It was accepted, trained at world size 1, and at 2 ranks failed at the first step saying parameters were
@@ -305,45 +269,3 @@ def test_wrapping_an_optimizer_that_is_decentralized_already_is_refused(inner):
         decent_comm.Decentralized(torch.optim.SGD(params, lr=0.1))
     with pytest.raises(ValueError, match=f"{type(opt).__name__}, which is decentralized already"):
         decent_comm.Decentralized(opt)
-
-
-def _ddp_after_shutdown(rank, n, give_model):
-    """Decentralized training, shutdown(), then DDP fine-tuning with torch SGD: (the largest difference of DDP's
-    parameters from SGD on the ranks' mean gradient from rank 0's parameters, computed here in float64)."""
-    model = make_model(0)
-    opt = decent_comm.DAdamW(model.parameters(), lr=0.05, timeout=60, model=model if give_model else None)
-    for t in range(3):
-        x, y = batch(rank, t)
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-    opt.shutdown()
-    start = [p.detach().clone() for p in model.parameters()]
-    torch.distributed.broadcast_object_list(start, src=0)  # DDP starts every replica from rank 0's parameters
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    reference = make_model(0).double()
-    with torch.no_grad():
-        for q, p0 in zip(reference.parameters(), start):
-            q.copy_(p0)
-    for t in range(3, 5):
-        x, y = batch(rank, t)
-        sgd.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        sgd.step()
-        reference.zero_grad()
-        for r in range(n):  # DDP's gradient: the mean of the ranks' own
-            xr, yr = batch(r, t)
-            (((reference(xr.double()) - yr.double()) ** 2).mean() / n).backward()
-        with torch.no_grad():
-            for q in reference.parameters():
-                q -= 0.1 * q.grad
-    return max((p.double() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-
-
-@pytest.mark.parametrize("give_model", [False, True], ids=["global-hook", "model"])
-def test_ddp_fine_tuning_after_shutdown_is_allowed(give_model):
-    """After shutdown() the optimizer gossips no more: a run that ends with DDP fine-tuning wraps the model in DDP
-    (it was refused as 'wrapped in DistributedDataParallel' while the optimizer object lived)."""
-    for err in run_ranks(_ddp_after_shutdown, 2, give_model, timeout=120):
-        assert err < 1e-6, err
