@@ -4,6 +4,7 @@ optimizer's state, another topology or cadence; and what still loads (a subset, 
 The keys of the schedule entry are pinned: torch.distributed.checkpoint needs earlier checkpoints to hold them."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -58,6 +59,32 @@ def test_a_checkpoint_with_the_other_weight_decay_is_refused(ctor, ref_ctor):
         opt.load_state_dict(saved)
     saved["param_groups"][0]["weight_decay"] = 0.0  # no decay: nothing to disagree on
     opt.load_state_dict(saved)
+
+
+def _mixed_decay(ps):
+    return [{"params": ps[:2], "decoupled_weight_decay": True}, {"params": ps[2:]}]
+
+
+@pytest.mark.parametrize("ctor, advice", [(decent_comm.DAdam, "DAdam(..., decoupled_weight_decay=True)"),
+                                          (decent_comm.AccumAdam, "AccumAdamW for decoupled decay")])
+def test_a_group_with_its_own_decoupled_weight_decay_is_refused_saying_the_flag_is_per_optimizer(ctor, advice):
+    """torch.optim.Adam honours the flag per group; ours apply one decay to every group. The advice pointed to
+    DAdamW only, not to DAdam's own constructor flag, nor to the wrapper for decay differing between groups; the
+    wrapper named trains as torch with those groups, DAdam given the flag as torch's AdamW update."""
+    with pytest.raises(ValueError, match=r"param group 0\): decoupled_weight_decay=True with weight_decay=0\.1, .*"
+                       r"the flag is per optimizer here, not per param group\. Use " + re.escape(advice) + r".*"
+                       r"decent_comm\.Decentralized\(torch\.optim\.Adam\(\.\.\.\)\)"):
+        ctor(_mixed_decay(list(model().parameters())), **HP)
+    for ours, theirs in [(lambda ps: decent_comm.Decentralized(torch.optim.Adam(_mixed_decay(ps), **HP)),
+                          lambda ps: torch.optim.Adam(_mixed_decay(ps), **HP)),
+                         (lambda ps: decent_comm.DAdam(ps, decoupled_weight_decay=True, **HP),
+                          lambda ps: torch.optim.AdamW(ps, **HP))]:
+        m, ref = model(), model()
+        opt, ref_opt = ours(list(m.parameters())), theirs(list(ref.parameters()))
+        for t in range(3):
+            step(m, opt, t)
+            step(ref, ref_opt, t)
+        assert_same(params(m), params(ref), exact=False)
 
 
 def test_accum_steps_missing_from_a_checkpoint_keeps_the_constructors():

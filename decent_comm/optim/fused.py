@@ -245,9 +245,15 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
         # torch's Adam groups say which decay they apply: a checkpoint's must match where there is any decay
         decoupled = group.get("decoupled_weight_decay")
         if decoupled is not None and bool(decoupled) != self._decoupled and group.get("weight_decay", 0) != 0:
+            # the kernels take one decay kind per optimizer: torch's per-group flag has no fused equivalent
+            choose = ("AccumAdamW for decoupled decay, AccumAdam for L2" if isinstance(self, AccumAdam) else
+                      "DAdam(..., decoupled_weight_decay=True) (as torch.optim.Adam's) or DAdamW for decoupled decay, "
+                      "DAdam for L2")
             raise ValueError(f"{where}: decoupled_weight_decay={decoupled} with weight_decay={group['weight_decay']}, "
-                             f"this optimizer applies {'decoupled' if self._decoupled else 'L2'} weight decay: "
-                             "use DAdamW / AccumAdamW for decoupled decay, DAdam / AccumAdam for L2")
+                             f"but {type(self).__name__} applies {'decoupled' if self._decoupled else 'L2'} weight "
+                             f"decay to every group: the flag is per optimizer here, not per param group. Use "
+                             f"{choose}, for every group alike; for decay that differs between groups, "
+                             "decent_comm.Decentralized(torch.optim.Adam(...)) (torch honours the flag per group)")
 
     _STATE_NAMES = _STATE_NEEDED = ("exp_avg", "exp_avg_sq")
 
