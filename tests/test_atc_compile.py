@@ -3,6 +3,8 @@
 eager; fullgraph=True raised Dynamo's 'Encountered torch.is_inference_mode_enabled'), the trajectory is eager's, and
 a mix deferred by eager forwards is still applied before a compiled forward reads the parameters."""
 
+import logging
+
 import pytest
 import torch
 
@@ -111,16 +113,20 @@ def test_fullgraph_compiled_training_after_eager_training_is_one_graph_and_train
     assert run_ranks(_eager_then_compiled_training, 2, timeout=300) == [(0.0, 1, [True, True, True, False])] * 2
 
 
-def _compiled_before_the_optimizer(rank, n, reset):
-    """A compiled evaluation run before the ATC optimizer exists, eager training, then the compiled evaluation again:
-    (the warnings logged at construction, the largest difference of the compiled output from the eager one at the
-    mixed point)."""
-    import logging
-
+def _capture_log() -> list:
+    """The messages decent_comm logs from now on in this rank's process (its own, spawned for the test)."""
     logged = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("decent_comm").addHandler(handler)
+    return logged
+
+
+def _compiled_before_the_optimizer(rank, n, reset):
+    """A compiled evaluation run before the ATC optimizer exists, eager training, then the compiled evaluation again:
+    (the warnings logged at construction, the largest difference of the compiled output from the eager one at the
+    mixed point)."""
+    logged = _capture_log()
     model = make_model(0)
     compiled = torch.compile(model, backend="aot_eager")
     model.eval()
@@ -142,7 +148,6 @@ def _compiled_before_the_optimizer(rank, n, reset):
         opt.synchronize()
         eager = model(batch(rank, 9)[0])
     opt.shutdown()
-    logging.getLogger("decent_comm").removeHandler(handler)
     return len(warned), (out - eager).abs().max().item()
 
 
@@ -156,19 +161,13 @@ def test_a_model_compiled_before_the_optimizer_is_warned_of_and_the_remedy_works
 
 
 def _compiled_after_the_optimizer(rank, n):
-    import logging
-
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("decent_comm").addHandler(handler)
+    logged = _capture_log()
     torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")(torch.ones(1, 2))  # another graph in the process
     model = make_model(0)
     opt = _build(model)
     compiled = torch.compile(model, backend="aot_eager")
     compiled(batch(rank, 0)[0])
     opt.shutdown()
-    logging.getLogger("decent_comm").removeHandler(handler)
     return [m for m in logged if "compiled (torch.compile) before the optimizer" in m]
 
 
