@@ -190,12 +190,8 @@ def _stop_deferring(hooks: MixBeforeUse) -> bool:
     was a torch.compiler.disable'd call in it after every eager step (a graph break per deferring module, and
     fullgraph=True raised Dynamo's "Skip calling torch.compiler.disable()'d function"). Only a trace runs this:
     a cached graph does not, hence off for good (idempotent: a retrace or a second compiled model repeats it)."""
-    schedule = hooks._schedule()
-    if schedule is None:  # the optimizer is gone, or this is a copy's hook (_Detached)
-        return True
     hooks._compiled = True
-    if schedule.pending:
-        schedule.mix_pending()
+    _mix_every_pending(hooks)  # (run here as plain Python: Dynamo calls this function, it does not trace it)
     return True
 
 
