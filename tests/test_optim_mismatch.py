@@ -124,6 +124,7 @@ ONE_RANK_REFUSES = {  # rank 1's options fail its own checks; the others' are va
     "topology": (dict(topology="one-peer-hypercube"), "one-peer-hypercube"),  # needs a power of 2 ranks
     "timeout": (dict(timeout=-1), "timeout must be a positive number"),
     "Topology object": (dict(topology=_RowsSumTo1_2(3)), "sum to 1.2, not 1"),
+    "consensus": (dict(consensus="0.5"), "consensus factor must be a number"),  # from a config file: a string
 }
 
 

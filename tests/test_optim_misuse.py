@@ -4,12 +4,15 @@ exchange is in flight, add_param_group, and options checked whatever the world s
 test_optim_ddp.py; ranks that disagree in test_optim_mismatch.py; late, silent, dead or non-finite ranks in
 test_optim_faults.py."""
 
+import fractions
 import re
 
+import numpy as np
 import pytest
 import torch
 
 import decent_comm
+from decent_comm.optim.plan import consensus_factor
 
 from dist_utils import run_ranks
 from optim_cases import EVERY_UTILITY, make_model, train_steps
@@ -89,10 +92,29 @@ def test_parameters_that_share_memory_are_refused(ctor):
     (dict(betas=(0.9,)), "betas must be a pair"),  # the first step failed to unpack them  # refused by the kernels at the first multi-rank step
     (dict(bucket_cap_mb=float("nan")), "bucket_cap_mb"), (dict(bucket_cap_mb=0), "bucket_cap_mb"),
     (dict(mode="adapt"), "mode"), (dict(exchange="allreduce"), "exchange"),
+    # strings and bools went through bool() / float(): check_finite="no" checked, consensus="0.5" trained
+    (dict(check_finite="no"), "check_finite must be True or False"),
+    (dict(broadcast_init="False"), "broadcast_init must be True or False"),
+    (dict(track_disagreement=1), "track_disagreement must be True or False"),
+    (dict(consensus="0.5"), r"consensus factor must be a number in \[0, 1\], got '0.5' \(str\)"),
+    (dict(consensus=True), "consensus factor must be a number"), (dict(consensus=1.5), "must be in"),
 ])
 def test_options_are_checked_at_world_size_one(bad, match):
     with pytest.raises(ValueError, match=match):
         decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), **bad)
+
+
+@pytest.mark.parametrize("value", [0.25, 1, np.float32(0.25), torch.tensor(0.25, dtype=torch.float64),
+                                   fractions.Fraction(1, 4), lambda step: torch.tensor(0.25)])
+def test_consensus_takes_any_real_number(value):
+    expected = 1.0 if value == 1 else 0.25
+    decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), consensus=value).shutdown()
+    assert consensus_factor(value, 3, 0.1) == expected
+
+
+def test_a_consensus_callable_returning_a_string_is_named_at_that_step():
+    with pytest.raises(ValueError, match=r"must be a number in \[0, 1\], got '0.5' \(str\) at step 7"):
+        consensus_factor(lambda step: "0.5" if step > 5 else 0.5, 7, 0.1)
 
 
 def test_a_launchers_job_without_a_process_group_is_refused(monkeypatch):

@@ -81,7 +81,9 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
         try:
             if mode not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-            check_options(timeout=timeout, comm_dtype=comm_dtype, model=model)
+            check_options(timeout=timeout, comm_dtype=comm_dtype, model=model, consensus=consensus,
+                          flags=(("broadcast_init", broadcast_init), ("track_disagreement", track_disagreement),
+                                 ("check_finite", check_finite)))
             cadence = Cadence(gossip_every, warmup_steps, delayed_mix)
             if delayed_mix and mode != "awc":
                 raise ValueError("delayed_mix=True needs mode='awc': the delayed mix is applied inside the fused "

@@ -3,8 +3,11 @@ factor, and whether the step runs as an all-reduce within averaging groups; and 
 reads (MixInputs). No tensor math, no communication.
 """
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from ..topology import Adaptive, Topology, averaging_groups
 from ..topology.analysis import MIN_ALLREDUCE_GROUP
@@ -123,6 +126,10 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
         a = consensus(step)
     else:
         a = consensus
+    # A string or a bool would pass through float() ("0.5", True -> 1.0): a typo'd config value would train.
+    if isinstance(a, (bool, str, bytes)) or not isinstance(a, (numbers.Real, torch.Tensor)):
+        raise ValueError(f"the consensus factor must be a number in [0, 1], got {a!r} ({type(a).__name__}) at step "
+                         f"{step}")
     a = float(a)
     if not 0.0 <= a <= 1.0:
         raise ValueError(f"the consensus factor must be in [0, 1], got {a} at step {step}")

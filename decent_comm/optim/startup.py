@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import topology as topo_mod
 from ..exchange.arrival import ExchangeTimeout, in_global_ranks, ranks_text, timeout_s, wait_for_ranks
 from ..exchange.roster import swap
+from .plan import consensus_factor
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,16 @@ def usable_timeout(timeout):
 COMM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8)
 
 
-def check_options(*, timeout, comm_dtype, model=None):
+def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
     """Options that are only used once there are peers, checked at any world size (a script that works on one
-    rank must not fail on the first multi-rank run)."""
+    rank must not fail on the first multi-rank run). `flags`: (name, value) of the on/off options, which must be
+    True or False: "no" or "False" from a config file would be truthy."""
+    for name, value in flags:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    if not callable(consensus) and not hasattr(consensus, "factor"):  # a callable or a schedule object (which
+        # records the lr of its first call) is checked at each step it is asked
+        consensus_factor(consensus, 0, 0.0)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be the torch.nn.Module whose forward uses the parameters (or None), got "
                          f"{type(model).__name__}")
