@@ -2,13 +2,14 @@
 collective utilities with a late rank or ranks out of step, check_finite, a silent peer on the group all-reduce, and a
 rank dying during the construction's check."""
 
+import logging
 import time
 
 import pytest
 import torch
 
 import decent_comm
-from decent_comm.exchange import ExchangeTimeout
+from decent_comm.exchange import ExchangeError, ExchangeTimeout
 
 from dist_utils import exit_now, run_ranks
 from optim_cases import EVERY_UTILITY, UTILITIES, batch, make_model, train_steps
@@ -240,3 +241,38 @@ def test_a_utility_on_one_rank_while_the_others_step_times_out_saying_so():
         assert kind == "ExchangeTimeout" and seconds < 9, (rank, kind, msg, seconds)
     assert "global_average(): announcing it to the other ranks, which must all make this call" in results[0][1]
     assert "never joins it" in results[0][1], results[0][1]
+
+
+def _atc_survivor_shuts_down(rank, n):
+    """ATC survivors of a dead peer: the training loop's error, then shutdown() in its `finally:`."""
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring", mode="atc", model=model, timeout=3)
+    train_steps(rank, model, opt, 3)
+    if rank == 2:
+        exit_now("died")  # mid-training, after its exchange of step 2
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    try:
+        try:
+            train_steps(rank, model, opt, 20, start=3)
+        finally:
+            opt.shutdown()
+    except ExchangeError as exc:
+        error = str(exc)
+    with pytest.raises(RuntimeError, match=r"step\(\) after shutdown\(\)"):
+        train_steps(rank, model, opt, 1, start=23)
+    return error, [m for m in seen if "shutdown()" in m]
+
+
+def test_atc_shutdown_after_a_failed_exchange_does_not_raise_it_again():
+    """It raised "unusable after an earlier error" in the `finally:`, with the dead peer's error only as the
+    context; now the training loop's error is what propagates, and shutdown() logs that its mix was not applied."""
+    results = run_ranks(_atc_survivor_shuts_down, 3, timeout=120)
+    assert results[2] == "died"
+    for rank, (msg, logged) in enumerate(results[:2]):
+        assert "unusable after an earlier error" not in msg, (rank, msg)
+        assert "rank 2" in msg, (rank, msg)
+        assert len(logged) == 1 and "the last step's mix was not applied" in logged[0] and "rank 2" in logged[0], \
+            (rank, logged)

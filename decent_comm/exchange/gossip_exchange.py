@@ -32,6 +32,9 @@ class GossipExchange:
             self.groups: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
                                                      if groups else None)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
+        # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
+        # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
+        self.error: Optional[ExchangeError] = None
 
     @contextlib.contextmanager
     def _named(self):
@@ -39,7 +42,10 @@ class GossipExchange:
         try:
             yield
         except (ExchangeError, ValueError) as e:
-            raise in_global_ranks(e, self._group)
+            named = in_global_ranks(e, self._group)
+            if isinstance(e, ExchangeError) and self.error is None:
+                self.error = named
+            raise named
 
     def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], *,
                  send_to: Sequence[int] = (), recv_from: Sequence[int] = (), group: Optional[Sequence[int]] = None):

@@ -58,8 +58,6 @@ class GossipSchedule(ScheduleCheckpoint):
         self.process_group = process_group
         self.consensus = consensus
         self._lr = lr
-        if not hasattr(consensus, "factor"):  # validated early; a schedule object is not called here: it records
-            consensus_factor(consensus, 0, lr())  # the lr of its first call, step 0's (a scheduler may change it yet)
         self.comm_dtype = comm_dtype
         self.check_finite = bool(check_finite)
         self.cadence = cadence
@@ -92,9 +90,8 @@ class GossipSchedule(ScheduleCheckpoint):
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
                                            wire_dtype=comm_dtype if self.wire is None else None,
                                            groups=self.groups.all_groups if self.groups is not None else ())
-        # The whole-group all-reduces (inside step(): warm-up gradients, adaptive statistics; the collective
-        # utilities: global_average, consensus_distance, ...) raise within `timeout` like the gossip does, instead
-        # of waiting for the process group's own (gloo: 30 min).
+        # The whole-group all-reduces (warm-up gradients, adaptive statistics, global_average, ...) raise within
+        # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
         self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout), device=self.device,
                                            owner="optimizer") if world_size > 1 else None
         self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite,
@@ -372,11 +369,16 @@ class GossipSchedule(ScheduleCheckpoint):
 
     def shutdown(self):
         # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
-        # x^{t+1}, as after synchronize() (they were the unmixed x^{t+1/2}). Everything is released even if it fails.
-        first = None
+        # x^{t+1}, as after synchronize(). Everything is released even if it fails. A mix whose exchange failed is
+        # not tried: raising that error again (shutdown() in a `finally:`) buried the one being handled under a repeat.
+        first, failed = None, self.exchange.error if self.exchange is not None else None
         if self.mode == "atc" and self.pending and not self._shut_down:
             try:
-                self.mix_pending()
+                if failed is None:
+                    self.mix_pending()
+                else:
+                    log.warning("decent_comm: shutdown(): the last step's mix was not applied, its exchange failed "
+                                "earlier (%s): this rank's parameters are its half-step x^{t+1/2}", failed)
             except Exception as e:  # noqa: BLE001 - raised once the exchange is released
                 first = e
         self._shut_down = True

@@ -70,9 +70,8 @@ def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
     for name, value in flags:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
-    if not callable(consensus) and not hasattr(consensus, "factor"):  # a callable or a schedule object (which
-        # records the lr of its first call) is checked at each step it is asked
-        consensus_factor(consensus, 0, 0.0)
+    if not hasattr(consensus, "factor"):  # a number, or a callable's step 0 (a schedule object is not called here:
+        consensus_factor(consensus, 0, 0.0)  # it records the lr of its first call, and a scheduler may change it yet)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be the torch.nn.Module whose forward uses the parameters (or None), got "
                          f"{type(model).__name__}")
