@@ -27,8 +27,11 @@ from optim_reference import Reference
 
 # ------------------------------------------------------------------------------------------ disagreement
 
-DISAGREEMENT_CASES = [("dadamw", "awc", "ring", 1.0), ("dsgd-nesterov", "atc", "one-peer-exp", 1.0),
-                      ("wrapped-adam", "awc", "exp", 1.0), ("accumadamw", "atc", "ring", 0.5)]
+# (optimizer, mode, topology, consensus, gossip_every): between gossip rounds the value stays the last mix's
+DISAGREEMENT_CASES = [("dadamw", "awc", "ring", 1.0, 1), ("dsgd-nesterov", "atc", "one-peer-exp", 1.0, 1),
+                      ("wrapped-adam", "awc", "exp", 1.0, 1), ("accumadamw", "atc", "ring", 0.5, 1),
+                      ("dadamw", "awc", "ring", 1.0, 2), ("wrapped-adam", "awc", "exp", 1.0, 3),
+                      ("dsgd-nesterov", "atc", "one-peer-exp", 1.0, 2)]
 
 
 def disagreement_topologies(n):
@@ -39,12 +42,14 @@ def _disagreement(rank, n):
     """What each rank's optimizer reports after every step (the parent holds the reference)."""
     topos = disagreement_topologies(n)
     out = {}
-    for opt_name, mode, topo_name, a in DISAGREEMENT_CASES:
+    for case in DISAGREEMENT_CASES:
+        opt_name, mode, topo_name, a, every = case
         ctor = OPTIMIZERS[opt_name][0]
         model = make_model(rank)
         # a tiny bucket cap: one bucket per parameter, so the per-bucket values are checked too
         opt = ctor(model.parameters(), topology=topos[topo_name], mode=mode, model=model if mode == "atc" else None,
-                   broadcast_init=False, consensus=a, bucket_cap_mb=1e-5, timeout=30, track_disagreement=True)
+                   broadcast_init=False, consensus=a, bucket_cap_mb=1e-5, timeout=30, track_disagreement=True,
+                   gossip_every=every)
         seen = [(opt.last_disagreement, None)]  # nothing mixed yet
         for t in range(STEPS):
             x, y = batch(rank, t)
@@ -52,7 +57,7 @@ def _disagreement(rank, n):
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
             seen.append((opt.last_disagreement, opt.disagreement(per_bucket=True)))
-        out[(opt_name, mode, topo_name)] = dict(seen=seen, mean=opt.disagreement(all_reduce=True),
+        out[case] = dict(seen=seen, mean=opt.disagreement(all_reduce=True),
                                                 ranges=bucket_param_ranges(opt, model))
         opt.shutdown()
     # tracking off
@@ -72,13 +77,13 @@ def test_fused_disagreement_matches_float64_reference():
     n = 3
     results = run_ranks(_disagreement, n, timeout=300)
     topos = disagreement_topologies(n)
-    for opt_name, mode, topo_name, a in DISAGREEMENT_CASES:
+    for key in DISAGREEMENT_CASES:
+        opt_name, mode, topo_name, a, every = key
         _, kind, hp = OPTIMIZERS[opt_name]
         ref = RecordingReference(make_model(0), [flat_params(make_model(s)) for s in range(n)], topos[topo_name], mode,
-                                 kind, hp, consensus=a)
+                                 kind, hp, consensus=a, gossip_every=every)
         for t in range(STEPS):
             ref.step([batch(r, t) for r in range(n)])
-        key = (opt_name, mode, topo_name)
         for rank, (out, off) in enumerate(results):
             assert off == 0.0
             r = out[key]
@@ -86,15 +91,19 @@ def test_fused_disagreement_matches_float64_reference():
             assert len(ranges) == 4 and r["seen"][0][0] == 0.0
             err = 0.0
             for t in range(STEPS):
-                # awc: step t mixed x^t; atc: step t applied the mix launched at step t - 1, before its update
+                # awc: step t mixed x^t; atc: step t applied the mix launched at step t - 1, before its update;
+                # the last gossip round's mix, whatever local steps came since
                 k = t if mode == "awc" else t - 1
+                k -= k % every
                 if k < 0:
                     continue
                 want = ref.mix_sq[k][rank]
+                assert float(want.sum()) > 0, (key, k)  # a mix, not the identity of a local step
                 total, buckets = r["seen"][t + 1]
                 for g, w in zip([total] + buckets, [float(want.sum())] + per_bucket(want, ranges)):
                     err = max(err, abs(g - w) / (abs(w) + 1e-7))
             k = STEPS - 1 if mode == "awc" else STEPS - 2
+            k -= k % every
             want_mean = sum(float(v.sum()) for v in ref.mix_sq[k]) / n
             err = max(err, abs(r["mean"] - want_mean) / want_mean)
             assert err < 1e-4, f"rank {rank}, {key}: disagreement deviates from the float64 reference by {err:.2e}"

@@ -278,9 +278,11 @@ class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverag
         s = self._schedule
         plan = s.awc_plan()
         measure = s.wants_step_sq(s.t + 1)  # the decision for step t+1 is taken at the end of this one
-        s.meter.begin()
+        if plan.mixes:  # a local or warm-up step keeps the last mix's disagreement (it reported 0.0, unlike ATC)
+            s.meter.begin()
         step_sq = self._update_awc(plan, skip_update, measure)
-        s.end_mix(plan)
+        if plan.mixes:
+            s.end_mix(plan)
         s.record_step_sq(step_sq)
         s.finish_step()
 

@@ -49,8 +49,9 @@ class MixPlan:
 
     @property
     def mixes(self) -> bool:
-        """Whether applying the plan changes x (a neighbour, or a self weight other than 1)."""
-        return bool(self.recv) or self.group is not None or self.self_weight != 1.0
+        """Whether applying the plan changes x (a neighbour, a checkpoint's correction, or a self weight other than
+        1): False on a warm-up or local step."""
+        return bool(self.recv) or bool(self.weights) or self.group is not None or self.self_weight != 1.0
 
     @property
     def num_buffers(self) -> int:

@@ -73,6 +73,8 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         deltas = []
         for b in self._buckets:
             nbs, wire = self._schedule.mix_inputs(b, plan).at()
+            if not plan.mixes:  # a local or warm-up step: nothing to add on top (nor a disagreement to measure)
+                continue
             mixed = b.flat.clone()
             ops.gossip_mix_(mixed, nbs, plan.self_weight, plan.weights, disagreement=self._schedule.meter.slot(b, 0),
                             **wire)
