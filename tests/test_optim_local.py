@@ -194,6 +194,28 @@ def test_dsgd_resume_right_after_momentum_switched_on_is_exact():
         assert torch.equal(a, b)
 
 
+def test_dsgd_checkpoint_without_momentum_loaded_with_momentum_switched_on_is_torchs():
+    """A momentum-free checkpoint (step counts, no buffers) loaded with momentum set in its param group: the first
+    step with momentum starts the buffer at g, as torch.optim.SGD's, not at (1 - dampening) g (9e-3 off here).
+    Two guards give this (the load restarts a count whose buffer is missing; the step that allocates the buffer
+    restarts the counts): only a test of the path itself notices losing both."""
+    models, opts = [make_model("cpu"), make_model("cpu")], []
+    for model, build in zip(models, (decent_comm.DSGD, torch.optim.SGD)):
+        opt = build(model.parameters(), lr=0.05, dampening=0.5)
+        run(model, opt, "cpu", 2, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
+        saved = copy.deepcopy(opt.state_dict())
+        saved["param_groups"][0]["momentum"] = 0.9
+        opt = build(model.parameters(), lr=0.05, dampening=0.5, momentum=0.9)
+        opt.load_state_dict(saved)
+        run(model, opt, "cpu", 5, start=2, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
+        opts.append(opt)
+    assert_params_close("DSGD", [p.detach() for p in models[0].parameters()],
+                        [p.detach() for p in models[1].parameters()])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"],
+                                   rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_channels_last_parameters_keep_their_layout_and_train_as_torch(device):
     """torch's optimizers never change a parameter's memory format; the bucket views kept only the shape."""
