@@ -99,3 +99,21 @@ def test_zero_grad_keeping_grads_names_a_model_converted_after_construction(name
         torch.testing.assert_close(p.grad, g)
     opt.zero_grad()  # set_to_none drops the gradients whatever their dtype, as torch's does
     assert all(p.grad is None for p in model.parameters())
+
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_clip_grad_norm_below_max_norm_leaves_the_gradients_as_torch(name, norm_type):
+    """torch.nn.utils.clip_grad_norm_ scales by min(1, max_norm / (norm + 1e-6)): a norm far below max_norm leaves
+    the gradients as they are (the test above clips norms above max_norm only)."""
+    ours, theirs = _params(0), _params(0)
+    opt = OPTIMIZERS[name][0](ours, bucket_cap_mb=1e-6)  # a bucket per parameter: their norms combined
+    torch.manual_seed(1)
+    grads = [torch.randn(4, 4) for _ in ours]
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    norm = opt.clip_grad_norm_(100.0, norm_type)
+    assert float(norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, 100.0, norm_type)), rel=1e-6)
+    for p, q, g in zip(ours, theirs, grads):
+        assert torch.equal(q.grad, g) and torch.equal(p.grad, g), (p.grad - g).abs().max()
