@@ -43,6 +43,15 @@ OPTION_MISMATCHES = {
                                     if r == 1 else m.parameters()),
     # a callable is compared by its values (its name alone agreed here, and the replicas' mean drifted)
     "consensus callable": lambda r: (decent_comm.DAdamW, dict(consensus=lambda t: 1.0 if r == 0 or t < 5 else 0.3)),
+    # the cadence: the ranks would meet at other steps
+    "gossip_every": lambda r: (decent_comm.DAdamW, dict(gossip_every=1 if r == 0 else 2)),
+    "warmup_steps": lambda r: (decent_comm.DAdamW, dict(warmup_steps=0 if r == 0 else 3)),
+    # one rank would skip the checks (and their collectives) or the start-up broadcast that the others run
+    "check_finite": lambda r: (decent_comm.DAdamW, dict(check_finite=r == 0)),
+    "broadcast_init": lambda r: (decent_comm.DAdamW, dict(broadcast_init=r == 0)),
+    # a param group's hyper-parameters (the last word: the key named)
+    "param group lr": lambda r: (decent_comm.DAdamW, dict(lr=1e-3 if r == 0 else 2e-3)),
+    "param group weight_decay": lambda r: (decent_comm.DAdamW, dict(weight_decay=0.01 if r == 0 else 0.0)),
 }
 _TABLE = [1.0, 0.9, 0.8, 0.7]  # a schedule for a 3-step run (AWC plans the step after): raises beyond, on every rank
 
@@ -70,6 +79,9 @@ def test_options_that_differ_between_ranks_are_named_on_every_rank(option):
         assert all("rank 1: 2 param groups but rank 0 has 1" in m for m in msgs), msgs
     if option == "consensus callable":
         assert all("consensus factor at step 5 is 0.3" in m for m in msgs), msgs
+    if option.startswith("param group ") and option != "param group count":
+        key = option.split()[-1]
+        assert all(f"param group 0 has {key}=" in m for m in msgs), msgs
 
 
 def _parameters_in_another_order(rank, n, give_model):
