@@ -158,6 +158,13 @@ def test_another_topology_or_cadence_is_refused_naming_both_and_what_to_do():
     with pytest.raises(ValueError, match=r"gossip_every=1, this optimizer has gossip_every=2\. To go on .* drop the "
                                          r"'decentralized' entry"):
         cadence.load_state_dict(copy.deepcopy(saved))
+    warm_model = model()
+    warm = decent_comm.DAdamW(warm_model.parameters(), topology="ring", warmup_steps=2, **HP)
+    step(warm_model, warm, 0)  # still warming up: its next step would all-reduce, the loader's would gossip
+    with pytest.raises(ValueError, match=r"warmup_steps=2, this optimizer has warmup_steps=0\. To go on .* drop the "
+                                         r"'decentralized' entry"):
+        decent_comm.DAdamW(model().parameters(), topology="ring", **HP).load_state_dict(warm.state_dict())
+    # (delayed_mix: tests/test_delayed_mix.py, test_delayed_mix_resumes_exactly)
     stepped = decent_comm.DAdamW(m.parameters(), topology="one-peer-exp", **HP)
     for t in range(3):
         step(m, stepped, t)
