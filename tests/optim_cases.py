@@ -130,12 +130,13 @@ def doubly_stochastic(n, seed):
 
 def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0, comm_dtype=None,
                           scheduler=None, probe=None, give_model=True, model_fn=None, overflow=None, closure=False,
-                          **cadence):
+                          each_step=None, **cadence):
     """Trains rank `rank`'s replica and the float64 dense simulation of all ranks side by side; returns the
     largest deviation of this rank's parameters from the simulation. ``give_model``: pass ``model=`` in ATC mode
     (else the optimizer finds the modules itself). ``overflow``: train under torch.amp.GradScaler, with the loss of
     these (rank, step) pairs made infinite. ``closure``: step(closure), the closure zeroing the gradients and running
-    the forward and backward."""
+    the forward and backward. ``each_step``: called with the optimizer after every step (a state_dict() between steps,
+    which must change nothing)."""
     ctor, kind, hp = OPTIMIZERS[opt_name]
     make_model_ = model_fn or make_model
     models = [make_model_(seed) for seed in range(n)]  # distinct replicas, known to every rank
@@ -162,7 +163,9 @@ def run_against_reference(rank, n, opt_name, topo, mode, steps=20, consensus=1.0
             (scaler.scale(loss_of()) * (float("inf") if (rank, t) in overflow else 1.0)).backward()
             scaler.step(opt)
             scaler.update()
-        after = observe()
+        after = observe()  # before each_step: ATC's quantizer took the half step, which a state_dict() mixes
+        if each_step is not None:
+            each_step(opt)
         ref.step([batch(r, t) for r in range(n)], observed_before=before, observed_after=after)
         before = after
     opt.synchronize()

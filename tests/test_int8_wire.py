@@ -81,6 +81,19 @@ def test_int8_wire_matches_dense_simulation(case):
     assert_every_rank_close(run_ranks(_every_optimizer, 4, case, timeout=900))
 
 
+def _state_dict_every_step(rank, n, mode, cadence):
+    return {mode: run_against_reference(rank, n, "dsgd-nesterov", T.make("one-peer-exp", n), mode, steps=5,
+                                        comm_dtype=torch.int8, each_step=lambda opt: opt.state_dict(), **cadence)}
+
+
+@pytest.mark.parametrize("mode, cadence", [("awc", {}), ("atc", {}), ("awc", dict(delayed_mix=True, gossip_every=2))],
+                         ids=["awc", "atc", "awc-delayed"])
+def test_a_state_dict_every_step_changes_nothing(mode, cadence):
+    """AWC's state_dict() adds the round in flight's payloads to the copies (both ends of an edge agree in the
+    checkpoint); the next step's mix reads those copies and must not add the same payloads again."""
+    assert_every_rank_close(run_ranks(_state_dict_every_step, 3, mode, cadence, timeout=300))
+
+
 def _fp32_reference_is_not_close(rank, n):
     """The same run against the simulation without the quantizer: it must miss (the test above can fail)."""
     topo = T.make("one-peer-exp", n)
