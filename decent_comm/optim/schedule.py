@@ -215,8 +215,8 @@ class GossipSchedule(ScheduleCheckpoint):
                                        f"non-finite values from {who} (check_finite=True)")
         return mix
 
-    def received(self, b, plan: MixPlan) -> List[torch.Tensor]:
-        """mix_inputs with every payload already added to its copy: the buffers to mix, as a list."""
+    def decoded_inputs(self, b, plan: MixPlan) -> List[torch.Tensor]:
+        """mix_inputs with the int8 payloads added to their copies here, not in a kernel: the buffers to mix."""
         return self.mix_inputs(b, plan, fuse=False).neighbors
 
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:

@@ -106,14 +106,14 @@ class ScheduleCheckpoint:
         self._wire_round = None
         if self.wire is not None and self.mode == "awc" and prev is not None and not prev.silent:
             for b in self.buckets:
-                self.received(b, self._mix_form(prev))
+                self.decoded_inputs(b, self._mix_form(prev))
             self._wire_round = dict(step=prev.step, factor=prev.factor)
         elif self.cadence.delayed_mix and not pending and prev is not None and not prev.silent:
             plan = prev.as_correction(self.t)
             for b in self.buckets:
                 c = b.state_buffer(CORRECTION)
                 c.zero_()
-                ops.gossip_mix_(c, self.received(b, plan), 0.0, plan.weights)
+                ops.gossip_mix_(c, self.decoded_inputs(b, plan), 0.0, plan.weights)
             pending = True
         if not pending:
             for b in self.buckets:
@@ -191,7 +191,7 @@ class ScheduleCheckpoint:
         plan = self.inflight
         if self.wire is not None and plan is not None and not plan.silent:
             for b in self.buckets:
-                self.received(b, self._mix_form(plan))
+                self.decoded_inputs(b, self._mix_form(plan))
 
     def load_state_dict(self, extra: Optional[dict]):
         """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
@@ -222,7 +222,7 @@ class ScheduleCheckpoint:
 
     def _restore_wire_round(self, saved: Optional[dict]):
         """The int8 wire's round in flight at the checkpoint: its plan, to be mixed from the restored copies
-        without an exchange (received() skips the wait until the next launch)."""
+        without an exchange (mix_inputs() skips the wait until the next launch)."""
         if saved is None:
             return
         step = int(saved["step"])
