@@ -52,7 +52,8 @@ def _group_average(rank, n, wire):
         p.grad = torch.zeros_like(p)
         opt.step()
     opt.synchronize()
-    used_groups = opt._schedule.exchange.groups is not None and opt._schedule.exchange.groups.bytes_sent > 0
+    group_allreduce = opt._schedule.exchange.group_allreduce
+    used_groups = group_allreduce is not None and group_allreduce.bytes_sent > 0
     sent = opt.bytes_sent
     opt.shutdown()
     # consensus 0.5 on complete: x_i <- x_i / 2 + mean / 2, so x_i - mean halves each step and the mean stays

@@ -62,8 +62,8 @@ def _group_steps(rank, n):
     run as group all-reduces (checked: bytes went through them), against the dense simulation."""
     topo = T.make("aer", n, local_world_size=3, inter="pair")
     used = []
-    probe = lambda opt: used.append(opt._schedule.exchange.groups is not None  # noqa: E731
-                                   and opt._schedule.exchange.groups.bytes_sent > 0)
+    probe = lambda opt: used.append(opt._schedule.exchange.group_allreduce is not None  # noqa: E731
+                                   and opt._schedule.exchange.group_allreduce.bytes_sent > 0)
     errs = {mode: run_against_reference(rank, n, "dadamw", topo, mode, steps=8, probe=probe) for mode in ("awc", "atc")}
     errs["consensus"] = run_against_reference(rank, n, "dsgd", topo, "awc", steps=6, consensus=0.5, probe=probe)
     errs["group path used"] = 0.0 if all(used) and len(used) == 3 else 1.0

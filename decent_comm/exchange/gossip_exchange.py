@@ -29,7 +29,7 @@ class GossipExchange:
         with self._named():
             self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
             groups = list(groups)
-            self.groups: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
+            self.group_allreduce: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
                                                      if groups else None)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
         # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
@@ -50,14 +50,14 @@ class GossipExchange:
     def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], *,
                  send_to: Sequence[int] = (), recv_from: Sequence[int] = (), group: Optional[Sequence[int]] = None):
         if group is not None:
-            if self.groups is None:
+            if self.group_allreduce is None:
                 raise ValueError(f"GossipExchange.exchange(bucket={bucket}): group {list(group)} given but no "
                                  "averaging groups were set up")
             if send_to or recv_from:
                 raise ValueError(f"GossipExchange.exchange(bucket={bucket}): a group step has no send_to/recv_from")
             with self._named():
-                self.groups.exchange(bucket, send, recvs, group)
-            self._route[bucket] = self.groups
+                self.group_allreduce.exchange(bucket, send, recvs, group)
+            self._route[bucket] = self.group_allreduce
         else:
             with self._named():
                 self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
@@ -69,7 +69,7 @@ class GossipExchange:
             (path or self.p2p).wait(bucket)  # an unknown bucket: the Exchanger's error names it
 
     def _paths(self):
-        return [self.p2p] + ([self.groups] if self.groups is not None else [])
+        return [self.p2p] + ([self.group_allreduce] if self.group_allreduce is not None else [])
 
     def wait_all(self):
         with self._named():

@@ -307,8 +307,8 @@ def log_setup(schedule) -> None:
     topo, buckets = schedule.topology, schedule.buckets
     if schedule.world_size == 1:
         path = "a single rank: no gossip"
-    elif schedule.groups is not None:
-        groups = len(schedule.groups.all_groups)
+    elif schedule.group_steps is not None:
+        groups = len(schedule.group_steps.all_groups)
         path = f"group all-reduce on the steps that average in groups of >= 3 ranks ({groups} group(s)), point " \
                f"to point otherwise"
     else:

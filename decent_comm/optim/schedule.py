@@ -76,20 +76,20 @@ class GossipSchedule(ScheduleCheckpoint):
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
         self.buffers = WireBuffers(buckets, comm_dtype, self.wire)
-        self.groups = GroupSteps.scan(topology, rank, world_size, "p2p" if self.wire is not None else exchange)
-        if self.groups is not None and process_group is not None and \
+        self.group_steps = GroupSteps.scan(topology, rank, world_size, "p2p" if self.wire is not None else exchange)
+        if self.group_steps is not None and process_group is not None and \
                 dist.get_world_size(process_group) != dist.get_world_size():
             # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
             log.info("decent_comm: group all-reduce needs the default process group; gossip stays point to point")
-            self.groups = None
-        check_mix_width(topology, rank, world_size, self.groups,
+            self.group_steps = None
+        check_mix_width(topology, rank, world_size, self.group_steps,
                         int(self.wire is not None or cadence.delayed_mix or self.buffers.lossy),
                         ops.MAX_NEIGHBORS)
         self.exchange = None
         if world_size > 1:
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
                                            wire_dtype=comm_dtype if self.wire is None else None,
-                                           groups=self.groups.all_groups if self.groups is not None else ())
+                                           groups=self.group_steps.all_groups if self.group_steps is not None else ())
         # The whole-group all-reduces (warm-up gradients, adaptive statistics, global_average, ...) raise within
         # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
         self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout), device=self.device,
@@ -99,9 +99,9 @@ class GossipSchedule(ScheduleCheckpoint):
         self.adaptive = None
         if isinstance(topology, Adaptive):
             self.adaptive = AdaptiveDriver(topology, self.all_reduce, world_size, self.device, lr)
-            if self.groups is not None:  # what each candidate really moves per step (group sums: the buckets' dtype)
+            if self.group_steps is not None:  # what each candidate moves per step (group sums: the buckets' dtype)
                 width = self.buffers.group_width(buckets)
-                topology.costs = [self.groups.buffers_per_rank(i, world_size, group_width=width)
+                topology.costs = [self.group_steps.buffers_per_rank(i, world_size, group_width=width)
                                   for i in range(len(topology.candidates))]
         if self.wire is not None and self.adaptive is None:  # an adaptive topology's copies come as it decides
             self.wire.allocate_copies(buckets)
@@ -119,7 +119,7 @@ class GossipSchedule(ScheduleCheckpoint):
         if self.adaptive is not None and self.adaptive.decide(r):
             self._trim_recv_buffers()
         a = resumed if resumed is not None else consensus_factor(self.consensus, step, self._lr())
-        return mix_plan(self.topology, self.rank, step, a, self.groups, topo_step=r)
+        return mix_plan(self.topology, self.rank, step, a, self.group_steps, topo_step=r)
 
     def wants_step_sq(self, decision_step: int) -> bool:
         r = self.cadence.round_of(decision_step)
@@ -162,7 +162,7 @@ class GossipSchedule(ScheduleCheckpoint):
         bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
         if bad and plan.group is not None and self.exchange is not None and not plan.silent:
             for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
-                self.exchange.groups.flag_nonfinite(i, plan.step)
+                self.exchange.group_allreduce.flag_nonfinite(i, plan.step)
         self._wire_restored = False
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
@@ -222,7 +222,7 @@ class GossipSchedule(ScheduleCheckpoint):
     def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
         # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
         # rank's own part was finite (launch() raised otherwise), so the culprit is one of the others.
-        senders = self.exchange.groups.nonfinite_senders(b.index, plan.step, plan.group)
+        senders = self.exchange.group_allreduce.nonfinite_senders(b.index, plan.step, plan.group)
         others = [r for r in plan.group if r != self.rank]
         return f"the all-reduce among ranks {list(plan.group)} (" + (
             f"{ranks_text(senders)} sent non-finite values)" if senders else
@@ -350,7 +350,7 @@ class GossipSchedule(ScheduleCheckpoint):
         start = self.topology.decided
         topo = self.topology.topology_at(start)
         steps = range(start, start + min(topo.period, 64))
-        grouped = {t for t in steps if self.groups is not None and self.groups.group_of(t) is not None}
+        grouped = {t for t in steps if self.group_steps is not None and self.group_steps.group_of(t) is not None}
         self.buffers.trim(max((len(topo.peers(self.rank, t).recv) for t in steps if t not in grouped), default=0),
                           groups=bool(grouped))
 

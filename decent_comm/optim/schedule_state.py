@@ -226,7 +226,7 @@ class ScheduleCheckpoint:
         if saved is None:
             return
         step = int(saved["step"])
-        self.inflight = mix_plan(self.topology, self.rank, step, float(saved["factor"]), self.groups,
+        self.inflight = mix_plan(self.topology, self.rank, step, float(saved["factor"]), self.group_steps,
                                  topo_step=self.cadence.round_of(step))
         self._wire_restored = True
         self._resume_factor = None  # the restored plan carries step t's factor
