@@ -114,8 +114,8 @@ class StateDictMixin:
         # before anything is loaded:
         self._complete_loaded_groups(groups)
         self._check_group_options(groups)
-        int8_wire = self._schedule.wire is not None
-        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), int8_wire,
+        has_int8_wire = self._schedule.int8_wire is not None
+        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), has_int8_wire,
                                                        len(self._param_list()))
         self._schedule.check_loadable(extra)
         self._check_state_names(state_dict.get("state", {}))
@@ -124,7 +124,7 @@ class StateDictMixin:
         # keeps them, and the senders' own copies already hold that round. Loaded or restarted copies replace them.
         self._schedule.complete_wire_round()
         self._load_optimizer_state_dict(state_dict)
-        if restart_copies or not int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
+        if restart_copies or not has_int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
             drop_named_state(self._buckets, self.state, WIRE_PREFIX)
         self._gather_round_state()
         self._schedule.load_state_dict(extra)

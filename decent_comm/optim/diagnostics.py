@@ -313,7 +313,7 @@ def log_setup(schedule) -> None:
                f"to point otherwise"
     else:
         path = "point to point"
-    wire = "int8 with error feedback" if schedule.wire is not None else \
+    wire = "int8 with error feedback" if schedule.int8_wire is not None else \
         str(schedule.comm_dtype or "the parameters' dtype").replace("torch.", "")
     log.debug("decent_comm: rank %d of %d: topology %s (period %d), mode %s, wire %s, %s; %d parameter element(s) in "
               "%d bucket(s) of %d elements", schedule.rank, schedule.world_size,

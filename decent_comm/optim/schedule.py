@@ -74,21 +74,21 @@ class GossipSchedule(ScheduleCheckpoint):
         self._shut_down = False          # shutdown() released the exchange: no more steps
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
-        self.wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
-        self.buffers = WireBuffers(buckets, comm_dtype, self.wire)
-        self.group_steps = GroupSteps.scan(topology, rank, world_size, "p2p" if self.wire is not None else exchange)
+        self.int8_wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
+        self.buffers = WireBuffers(buckets, comm_dtype, self.int8_wire)
+        self.group_steps = GroupSteps.scan(topology, rank, world_size, "p2p" if comm_dtype == torch.int8 else exchange)
         if self.group_steps is not None and process_group is not None and \
                 dist.get_world_size(process_group) != dist.get_world_size():
             # dist.new_group needs every rank of the default group, which a sub-group's ranks cannot promise.
             log.info("decent_comm: group all-reduce needs the default process group; gossip stays point to point")
             self.group_steps = None
         check_mix_width(topology, rank, world_size, self.group_steps,
-                        int(self.wire is not None or cadence.delayed_mix or self.buffers.lossy),
+                        int(self.int8_wire is not None or cadence.delayed_mix or self.buffers.lossy),
                         ops.MAX_NEIGHBORS)
         self.exchange = None
         if world_size > 1:
             self.exchange = GossipExchange(process_group, self.device, timeout=timeout,
-                                           wire_dtype=comm_dtype if self.wire is None else None,
+                                           wire_dtype=comm_dtype if self.int8_wire is None else None,
                                            groups=self.group_steps.all_groups if self.group_steps is not None else ())
         # The whole-group all-reduces (warm-up gradients, adaptive statistics, global_average, ...) raise within
         # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
@@ -103,8 +103,8 @@ class GossipSchedule(ScheduleCheckpoint):
                 width = self.buffers.group_width(buckets)
                 topology.costs = [self.group_steps.buffers_per_rank(i, world_size, group_width=width)
                                   for i in range(len(topology.candidates))]
-        if self.wire is not None and self.adaptive is None:  # an adaptive topology's copies come as it decides
-            self.wire.allocate_copies(buckets)
+        if self.int8_wire is not None and self.adaptive is None:  # an adaptive topology's copies come as it decides
+            self.int8_wire.allocate_copies(buckets)
         self.meter = DisagreementMeter(buckets, track_disagreement or (self.adaptive is not None
                                                                        and self.adaptive.needs_stats))
         log_setup(self)
@@ -147,8 +147,8 @@ class GossipSchedule(ScheduleCheckpoint):
         with delayed_mix a copy z in the wire dtype, since the parameters move on for a whole interval; over a
         lossy wire's point-to-point steps too, as the difference form mixes z; with the int8 wire the quantized
         change of its public copy (which then plays z's part)."""
-        if self.wire is not None:
-            return self.wire.encode(b, plan)
+        if self.int8_wire is not None:
+            return self.int8_wire.encode(b, plan)
         if not self.buffers.sends_copy(plan, self.cadence.delayed_mix):
             return b.flat
         return self.buffers.send_copy(b, plan)
@@ -204,9 +204,9 @@ class GossipSchedule(ScheduleCheckpoint):
         if plan.correction == "checkpoint":
             return MixInputs([b.state[CORRECTION]])
         mix = MixInputs(bufs)
-        if plan.correction == "sent":  # the int8 wire: the neighbours' public copies after what they sent
-            mix = self.wire.inputs(b, plan, bufs, fuse and not self.check_finite) if self.wire is not None else \
-                MixInputs(bufs + [self.buffers.copy_of(b, plan)])
+        if plan.correction == "sent":  # a lossy wire's copies z; the int8 wire's public copies after what they sent
+            mix = MixInputs(bufs + [self.buffers.copy_of(b, plan)]) if self.int8_wire is None else \
+                self.int8_wire.inputs(b, plan, bufs, fuse and not self.check_finite)
         if self.check_finite:
             for k, y in enumerate(mix.neighbors[:plan.num_buffers]):
                 if not torch.isfinite(y).all():
@@ -250,7 +250,7 @@ class GossipSchedule(ScheduleCheckpoint):
     def _mix_form(self, plan: MixPlan) -> MixPlan:
         """The int8 wire mixes the public copies in difference form (as a correction), a lossy wire the copies z
         of its point-to-point steps; other wires and group steps the plan."""
-        if plan.silent or not (self.wire is not None or self.buffers.mixes_copies(plan)):
+        if plan.silent or not (self.int8_wire is not None or self.buffers.mixes_copies(plan)):
             return plan
         return plan.as_correction(plan.step)
 
@@ -320,8 +320,8 @@ class GossipSchedule(ScheduleCheckpoint):
     def sending_parameters(self) -> set:
         """The buckets whose flat buffer itself (no copy, no conversion) is on the wire: AWC all, ATC the pending."""
         plan = self.inflight
-        if self.exchange is None or plan is None or plan.silent or self.wire is not None or self.cadence.delayed_mix \
-                or self.buffers.lossy:
+        if self.exchange is None or plan is None or plan.silent or self.int8_wire is not None \
+                or self.cadence.delayed_mix or self.buffers.lossy:
             return set()
         ids = self.pending if self.mode == "atc" else {b.index for b in self.buckets}
         return {i for i in ids if self.comm_dtype in (None, self.buckets[i].dtype)}

@@ -23,7 +23,7 @@ _WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of 
                   "runs again); one that has stepped keeps its own position.")
 
 
-def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bool, num_params: int):
+def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire: bool, num_params: int):
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
     copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
     a new one has no delayed_mix round yet (nor, with an adaptive topology, every copy), so a checkpoint may lack
@@ -42,7 +42,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
         # Without the entry (dropped to start a schedule afresh, e.g. from rank 0's state on every rank) the copies
         # cannot be told to be this rank's: another rank's, under its names, made the two ends of an edge differ
         # (by 0.3 on a ring), and the replicas' mean drifted at lr 0. They restart, as every rank loading so does.
-        restart = int8_wire and bool(wire)
+        restart = has_int8_wire and bool(wire)
         if restart:
             log.warning("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
                         "copies may be another rank's, so every rank loading it restarts them from zero")
@@ -51,7 +51,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
                          "has (a new one has none in flight); save with torch.save, or where no round is in flight")
-    if int8_wire and not wire:
+    if has_int8_wire and not wire:
         # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
         # too (a rollback to step 0), silently.
         if int(where.get("step", 0)) > 0:
@@ -61,7 +61,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, int8_wire: bo
                         "so the resumed run is not exact; torch.save'd state dicts of an int8 wire run carry them")
         return dict(where, int8_wire_round=None), True
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
-    if int8_wire and wire and complete < num_params:
+    if has_int8_wire and wire and complete < num_params:
         log.warning(f"the state dict has all the int8 wire copies of {complete} of the {num_params} parameters "
                     "(torch.distributed.checkpoint drops the state of parameters with requires_grad=False): the others "
                     "keep the copies they have, so the resumed run is not exact")
@@ -104,7 +104,7 @@ class ScheduleCheckpoint:
         pending = self._restored
         prev = self.inflight
         self._wire_round = None
-        if self.wire is not None and self.mode == "awc" and prev is not None and not prev.silent:
+        if self.int8_wire is not None and self.mode == "awc" and prev is not None and not prev.silent:
             for b in self.buckets:
                 self.decoded_inputs(b, self._mix_form(prev))
             self._wire_round = dict(step=prev.step, factor=prev.factor)
@@ -189,7 +189,7 @@ class ScheduleCheckpoint:
         the round (encode), so a round dropped without this leaves the two ends of every edge differing by its
         payload, and each later mix (x_i + sum_j w_ij r_j - (sum_j w_ij) s_i) moves the replicas' mean by it."""
         plan = self.inflight
-        if self.wire is not None and plan is not None and not plan.silent:
+        if self.int8_wire is not None and plan is not None and not plan.silent:
             for b in self.buckets:
                 self.decoded_inputs(b, self._mix_form(plan))
 
@@ -216,8 +216,8 @@ class ScheduleCheckpoint:
         self.inflight = None
         self.pending = set()
         self._fresh = False
-        if self.wire is not None:
-            self.wire.forget()
+        if self.int8_wire is not None:
+            self.int8_wire.forget()
             self._restore_wire_round(_wire_round_of(extra))
 
     def _restore_wire_round(self, saved: Optional[dict]):
