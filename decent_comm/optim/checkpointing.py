@@ -153,19 +153,20 @@ class StateDictMixin:
                                  "loaded; drop those entries from each parameter's state to load the rest, or empty "
                                  "its 'state' to start this optimizer's state afresh")
 
-    # A wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state).
-    _correction_for_stateless_params = True
+    # Whether the round state (delayed_mix's correction, the int8 wire's copies) goes into opt.state for parameters
+    # that have no state yet too (Decentralized: False).
+    _round_state_for_stateless_params = True
 
     def _publish_round_state(self, pending: bool):
         """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
         state, so torch.save and DCP carry them."""
-        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._correction_for_stateless_params)
+        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._round_state_for_stateless_params)
         # Not before the first step of an optimizer without state (its copies are zero, as a new one's): a state
         # that holds only them made torch.distributed.checkpoint skip its state initialization (a non-empty
         # opt.state), so a template without Adam's moments loaded none of them.
         copies = self._schedule.t > 0 or any(self.state.values())
         for name in Int8Wire.state_names(self._buckets):
-            publish_named_state(self._buckets, self.state, name, copies, self._correction_for_stateless_params)
+            publish_named_state(self._buckets, self.state, name, copies, self._round_state_for_stateless_params)
 
     def _let_go(self):
         """After a step, what it no longer needs: the last whole-group all-reduces' tensors (exchange.bounded), and

@@ -25,7 +25,10 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     # optimizers that take sparse gradients (SGD, Adagrad: a zero row changes nothing but what decays anyway);
     # the others refuse sparse gradients in torch, and here too.
     _sparse_grads_ok = property(lambda self: isinstance(self.inner, (torch.optim.SGD, torch.optim.Adagrad)))
-    _correction_for_stateless_params = False  # torch.optim initializes a parameter's state only when it is empty
+    # The round state (delayed_mix's correction, the int8 wire's copies) only for parameters that have state: a
+    # wrapped torch optimizer initializes a parameter's state only when it finds none (see publish_named_state), so
+    # a state holding only them would keep its own state from being created.
+    _round_state_for_stateless_params = False
 
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
         if not isinstance(inner, torch.optim.Optimizer):
