@@ -70,20 +70,22 @@ def track_owner(owner) -> None:
     _add(_owners, owner)
 
 
-def close_quietly(exchanger, when: str, name: str = "") -> None:
-    """``exchanger.shutdown()``; a failure (a peer died) is logged, never raised (``__del__``, atexit)."""
+def close_quietly(closeable, when: str, name: str = "") -> None:
+    """``closeable.shutdown()`` (an exchanger's or an owner's); a failure (a peer died) is logged, never raised
+    (``__del__``, atexit)."""
     try:
-        exchanger.shutdown()
+        closeable.shutdown()
     except Exception as e:  # noqa: BLE001 - at exit or in __del__ there is nobody to raise to
-        log.warning("decent_comm: closing %s %s failed: %s", name or type(exchanger).__name__, when, e)
+        log.warning("decent_comm: closing %s %s failed: %s", name or type(closeable).__name__, when, e)
 
 
-def close_on_collect(exchanger, name: str = "") -> None:
-    """For ``__del__`` (or a weakref.finalize): drain and close unless the interpreter is already finalizing (then
-    the atexit hook has run: the exchanger was left open because the process is dying of an exception)."""
+def close_on_collect(closeable, name: str = "") -> None:
+    """For ``__del__`` (or a weakref.finalize) of an exchanger or an owner: drain and close unless the interpreter
+    is already finalizing (then the atexit hook has run: it was left open because the process is dying of an
+    exception)."""
     if sys.is_finalizing():
         return
-    close_quietly(exchanger, "when it was garbage collected", name)
+    close_quietly(closeable, "when it was garbage collected", name)
 
 
 def _dying_of_an_exception() -> bool:
