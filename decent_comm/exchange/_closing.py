@@ -15,9 +15,10 @@ BoundedAllReduce, with nothing in flight, is only released then) or, if still al
 Draining is safe at both points: every rank launched the same exchange, so each transfer in flight has its matching
 one posted on the peer.
 
-An optimizer registers too (``track_owner``), as its own shutdown uses its exchange (ATC applies the last step's
-pending mix: decent_comm.optim.teardown): at exit the owners are shut down first, then the exchangers (an owner
-registers after the exchangers it creates, so creation order alone would close its exchange under it).
+An optimizer registers too (``track_owner``, with the label its failure is logged under), as its own shutdown uses
+its exchange (ATC applies the last step's pending mix: decent_comm.optim.teardown): at exit the owners are shut down
+first, then the exchangers (an owner registers after the exchangers it creates, so creation order alone would close
+its exchange under it).
 
 The atexit hook is registered when the first exchanger is created, i.e. after torch and the process group
 are set up, so it runs before every atexit hook registered earlier (atexit is LIFO; torch registers none
@@ -43,17 +44,16 @@ if dist.is_available():
 log = logging.getLogger("decent_comm")
 
 _lock = threading.Lock()
-_open = []           # weak references to the exchangers created so far, in creation order
-_owners = []         # weak references to the owners (optimizers' schedules) of exchangers, in creation order
+_open = []           # (weak reference, "") of the exchangers created so far, in creation order
+_owners = []         # (weak reference, label) of the owners (optimizers' schedules) of exchangers, in creation order
 _registered = False
-OWNER = "an optimizer nobody shut down"  # what the log calls an owner whose shutdown failed
 
 
-def _add(refs: list, obj) -> None:
+def _add(refs: list, obj, label: str) -> None:
     global _registered
     with _lock:
-        refs[:] = [r for r in refs if r() is not None]
-        refs.append(weakref.ref(obj))
+        refs[:] = [(r, name) for r, name in refs if r() is not None]
+        refs.append((weakref.ref(obj), label))
         if not _registered:
             atexit.register(_close_all_at_exit)
             _registered = True
@@ -61,13 +61,13 @@ def _add(refs: list, obj) -> None:
 
 def track(exchanger) -> None:
     """Registers `exchanger` (an object with ``shutdown()``) to be closed at exit if it is still open."""
-    _add(_open, exchanger)
+    _add(_open, exchanger, "")
 
 
-def track_owner(owner) -> None:
+def track_owner(owner, label: str) -> None:
     """Registers `owner` (an object with ``shutdown()`` that uses exchangers) to be shut down at exit, if still
-    alive, before any exchanger is closed."""
-    _add(_owners, owner)
+    alive, before any exchanger is closed; `label` names it in the warning logged if that fails."""
+    _add(_owners, owner, label)
 
 
 def close_quietly(closeable, when: str, name: str = "") -> None:
@@ -117,12 +117,12 @@ def _close_all_at_exit() -> None:
     if _dying_of_an_exception():
         return  # do not wait for peers that may never answer
     with _lock:
-        owners, alive = [r() for r in _owners], [r() for r in _open]
+        owners, alive = [(r(), label) for r, label in _owners], [r() for r, _ in _open]
         _owners.clear()
         _open.clear()
-    for owner in owners:  # first: their shutdown uses their exchangers (ATC's pending mix)
+    for owner, label in owners:  # first: their shutdown uses their exchangers (ATC's pending mix)
         if owner is not None:
-            close_quietly(owner, "at exit", OWNER)
+            close_quietly(owner, "at exit", label)
     for exchanger in alive:  # creation order, the same on every rank
         if exchanger is not None:
             close_quietly(exchanger, "at exit")

@@ -6,8 +6,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..exchange.arrival import ranks_text
-from ..exchange.bounded import CollectiveMismatch
+from ..exchange import CollectiveMismatch, ranks_text
 from .buckets import adopt_storage
 from .device_scalars import sum_scalars
 

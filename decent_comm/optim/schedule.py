@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..exchange import GossipExchange
-from ..exchange.arrival import ranks_text
-from ..exchange.bounded import BoundedAllReduce
+from ..exchange import BoundedAllReduce, GossipExchange, ranks_text
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .buckets import check_unwritten, note_landed, written

@@ -18,8 +18,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook, register_m
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange.arrival import ExchangeTimeout, in_global_ranks, ranks_text, timeout_s, wait_for_ranks
-from ..exchange.roster import swap
+from ..exchange import ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, wait_for_ranks
 from .plan import consensus_factor
 
 log = logging.getLogger(__name__)

@@ -17,15 +17,18 @@ the garbage until it has run, so their own close-on-collect cannot drain and clo
 
 import weakref
 
-from ..exchange import _closing
+from ..exchange import close_on_collect, track_owner
+
+LABEL = "an optimizer nobody shut down"  # what the log calls the schedule when its shutdown fails
 
 
 def shut_down_when_dropped(optimizer, schedule) -> None:
     """schedule.shutdown() when `optimizer` is collected (a no-op after an explicit shutdown()), or at exit."""
     if schedule.exchange is None:  # one rank: nothing pending, nothing to close
         return
-    finalizer = weakref.finalize(optimizer, _closing.close_on_collect, schedule, _closing.OWNER)
-    # At exit _closing shuts the schedule down before any exchanger (weakref.finalize's own exit hook runs at an
-    # order of its own, possibly after the exchangers closed), and not at all when the process dies of an exception.
+    finalizer = weakref.finalize(optimizer, close_on_collect, schedule, LABEL)
+    # At exit the exchange layer shuts the schedule down before any exchanger (weakref.finalize's own exit hook runs
+    # at an order of its own, possibly after the exchangers closed), and not at all when the process dies of an
+    # exception.
     finalizer.atexit = False
-    _closing.track_owner(schedule)
+    track_owner(schedule, LABEL)

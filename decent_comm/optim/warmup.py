@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..exchange.arrival import ranks_text
+from ..exchange import ranks_text
 from .diagnostics import announce
 from .tracing import traced
 
