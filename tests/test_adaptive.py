@@ -254,8 +254,8 @@ def test_forced_switch_sequence_matches_dense_simulation():
 
 
 def _utilities_let_go(rank, n, dtype):
-    from decent_comm.optim import diagnostics
-    diagnostics._CHUNK = 7  # several chunks per bucket (1M elements in use)
+    from decent_comm.optim import replica_watch
+    replica_watch._CHUNK = 7  # several chunks per bucket (1M elements in use)
     model = make_model(rank).to(dtype)
     opt = decent_comm.DAdamW(model.parameters(), lr=0.05, topology="ring", broadcast_init=False, timeout=30)
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ..topology import Adaptive, AdaptStats
-from .diagnostics import announce
+from .agreement import announce
 
 log = logging.getLogger("decent_comm")
 

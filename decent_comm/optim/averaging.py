@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from . import diagnostics
 from .buckets import written
+from .replica_watch import all_reduce_mean_
 
 
 class ReplicaAverages:
@@ -38,6 +38,6 @@ class ReplicaAverages:
     def _average_(self):
         if self.world_size > 1:
             for b in self._buckets:
-                diagnostics.all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
-                                             f"the global average of bucket {b.index}")
+                all_reduce_mean_(b.flat, self._schedule.all_reduce, self.world_size,
+                                 f"the global average of bucket {b.index}")
             written(self._buckets)

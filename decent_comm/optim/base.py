@@ -10,7 +10,7 @@ Semantics (t counts optimizer steps from 0; W'(t) = (1 - a_t) I + a_t W(t)):
        forward pre-hook of the first module using each bucket - the modules of `model` when given, else those
        a global pre-hook sees run - or at the end of the step for a bucket no module covers)
 
-Watching the replicas (decent_comm.optim.diagnostics): ``last_disagreement`` / ``disagreement()`` (from the
+Watching the replicas (decent_comm.optim.replica_watch): ``last_disagreement`` / ``disagreement()`` (from the
 fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_distance()`` (collectives),
 ``bytes_sent``.
 """
@@ -22,7 +22,7 @@ import torch
 
 from .. import ops
 from ..exchange import MAX_BUCKETS
-from . import amp, diagnostics, int8_wire
+from . import amp, int8_wire
 from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
@@ -31,6 +31,7 @@ from .buckets import (Bucket, build_buckets, count_on_device, count_steps, grads
 from .checkpointing import StateDictMixin
 from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
+from .replica_watch import ReplicaWatch
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
 from .teardown import shut_down_when_dropped
@@ -49,7 +50,7 @@ def _lr_of(optimizer: "weakref.ref"):
     return lambda: optimizer()._lr0()
 
 
-class DecentralizedMixin(StateDictMixin, diagnostics.ReplicaWatch, ReplicaAverages):
+class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
     """Mixed into a torch.optim.Optimizer subclass. A fused subclass implements `_local_update(bucket, seg_slice,
     group, step, neighbors, self_weight, weights, disagreement, **op_kwargs)`, one fused kernel call over a slice of
     a bucket (step: the host count before it, or None with the ops' state_step / grad_scale / found_inf keywords in

@@ -30,13 +30,13 @@ from ..exchange import BoundedAllReduce, GossipExchange, ranks_text
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
 from .buckets import check_unwritten, note_landed, written
-from .diagnostics import DisagreementMeter, log_setup
 from .int8_wire import Int8Wire
+from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .startup import timeout_seconds
-from .tracing import traced
+from .tracing import log_setup, traced
 from .warmup import WarmupAverage
 from .wire_buffers import WireBuffers
 

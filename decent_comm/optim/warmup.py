@@ -1,6 +1,6 @@
 """The all-reduce warm-up (``warmup_steps``): the first steps average the gradients over the ranks, DDP's update,
 so the replicas start identical and stay so (as torch's PostLocalSGDOptimizer). Blocking whole-group all-reduces
-through the schedule's BoundedAllReduce, announced first (diagnostics.announce), since a rank out of step would
+through the schedule's BoundedAllReduce, announced first (agreement.announce), since a rank out of step would
 pair them with another call's."""
 
 from typing import Optional
@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..exchange import ranks_text
-from .diagnostics import announce
+from .agreement import announce
 from .tracing import traced
 
 

@@ -1,0 +1,71 @@
+"""The step-agreement check before the optimizer's whole-group all-reduces: every rank confirms that every rank is
+about to run the same ones after the same number of optimizer steps (``announce``), and raises an error naming the
+ranks that are not (uneven step() calls, closure evaluations, collective utilities called alone)."""
+
+from typing import Dict, List, Optional
+
+from ..exchange import CollectiveMismatch, ranks_text
+
+
+def announce(all_reduce, what: str, step: int, sizes: List[int], evaluation: Optional[int] = None) -> None:
+    """Before the optimizer's whole-group all-reduces of `sizes` elements (a step's or a utility's): every rank
+    checks that every rank is about to run the same ones, after the same number of optimizer steps
+    (BoundedAllReduce.agree), and raises RuntimeError naming the ranks otherwise, before any of them is posted.
+
+    Gossip cannot see it: a rank that calls step() once more than the others (an uneven last batch) pairs each later
+    round with its neighbours' previous one, same sizes and tags, so nothing fails and the replicas mix rounds of
+    different steps; and whole-group all-reduces out of step would pair tensors of different calls (gloo aborts the
+    process on unequal sizes).
+
+    `evaluation`: the wrapped optimizer's closure evaluation of this step (1 for the first) whose gradients the
+    warm-up averages (Decentralized): ranks that evaluate it a different number of times are named as such."""
+    if all_reduce is None:
+        return
+    try:
+        all_reduce.agree(what, step, sizes, sub=evaluation)
+    except CollectiveMismatch as e:
+        sides = e.sides
+        uneven = _uneven_evaluations(sides)
+        if uneven:
+            raise RuntimeError(f"decent_comm: {what}: {uneven}") from e
+        known = [v for v in sides.values() if v is not None]
+        if len(known) == len(sides) and len({(v[0], v[2], v[3]) for v in known}) == 1:
+            by_count: Dict[int, List[int]] = {}
+            for r, v in sides.items():
+                by_count.setdefault(v[1], []).append(r)
+            seen = "; ".join(f"{ranks_text(rs)}: {c} steps" for c, rs in sorted(by_count.items(), reverse=True))
+            problem = f"the ranks have taken different numbers of optimizer steps ({seen})"
+        else:
+            same_call = len(known) == len(sides) and len({(v[0], v[1]) for v in known}) == 1
+            seen = "; ".join(f"rank {r}: " + (f"{v[0]} after {v[1]} steps" if v is not None else "(unknown)")
+                             + (f" ({v[2]} tensors, {v[3]} elements)" if same_call else "") for r, v in sides.items())
+            problem = f"the ranks are not running the same whole-group all-reduce ({seen})"
+        raise RuntimeError(f"decent_comm: {what}: {problem}. Every rank must call step() equally often (e.g. drop an "
+                           "uneven last batch on every rank), use a GradScaler on every rank or on none, and call the "
+                           "collective utilities together; gossip between ranks at different steps mixes neighbours' "
+                           "parameters of other steps") from e
+
+
+def _uneven_evaluations(sides) -> str:
+    """The error's words when the sides of a mismatch (CollectiveMismatch.sides) are ranks whose wrapped optimizer
+    evaluated a warm-up step's closure a different number of times, else "". Every earlier announcement agreed, so
+    the ranks at a k-th evaluation (k > 1) of step t are all at that one, and every other rank stopped after k - 1
+    (it went on to the next step, or to another call)."""
+    if any(v is None for v in sides.values()):
+        return ""
+    further = [(v[1], v[4]) for v in sides.values() if len(v) > 4 and v[4] > 1]
+    if not further:
+        return ""
+    step, k = further[0]
+    at = [r for r, v in sides.items() if len(v) > 4 and (v[1], v[4]) == (step, k)]
+    stopped = [r for r in sides if r not in at]
+    if not stopped:  # all at the same evaluation: they differ in something else (sizes)
+        return ""
+    return (f"the wrapped optimizer evaluated the closure a different number of times on the ranks in warm-up step "
+            f"{step} ({ranks_text(at)}: {k} times or more; {ranks_text(stopped)}: {k - 1} "
+            f"time{'s' if k > 2 else ''}). In a warm-up step every evaluation's gradients are averaged over the ranks, "
+            "as DDP's backward does, so every rank must evaluate the closure equally often; an optimizer that decides "
+            "from this rank's own loss when to stop (LBFGS's tolerance_change, its strong_wolfe line search) may stop "
+            "earlier on one rank. Make the number of evaluations the same on every rank (LBFGS: line_search_fn=None "
+            "and tolerance_change=0, so that max_iter, max_eval and the averaged gradient decide it), or use "
+            "warmup_steps=0 with such an optimizer (warming up first, if wanted, with another optimizer wrapped)")
