@@ -105,8 +105,9 @@ class ScheduleCheckpoint:
         prev = self.inflight
         self._wire_round = None
         if self.int8_wire is not None and self.mode == "awc" and prev is not None and not prev.silent:
-            for b in self.buckets:
-                self.decoded_inputs(b, self._mix_form(prev))
+            # AWC only: ATC's plan in flight is step t - 1's, which synchronize() has just mixed (adding its payloads
+            # to the copies), so there is no round for a resume to mix, and complete_wire_round would change nothing.
+            self.complete_wire_round()
             self._wire_round = dict(step=prev.step, factor=prev.factor)
         elif self.cadence.delayed_mix and not pending and prev is not None and not prev.silent:
             plan = prev.as_correction(self.t)
