@@ -11,6 +11,7 @@ import torch
 
 from ..topology import Adaptive, Topology, averaging_groups
 from ..topology.analysis import MIN_ALLREDUCE_GROUP
+from ..topology.consensus import check_consensus_factor
 
 EXCHANGES = ("auto", "p2p")
 MAX_SCAN = 1 << 16       # period * world_size beyond which a schedule is not scanned for averaging groups
@@ -131,10 +132,7 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
     if isinstance(a, (bool, str, bytes)) or not isinstance(a, (numbers.Real, torch.Tensor)):
         raise ValueError(f"the consensus factor must be a number in [0, 1], got {a!r} ({type(a).__name__}) at step "
                          f"{step}")
-    a = float(a)
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"the consensus factor must be in [0, 1], got {a} at step {step}")
-    return a
+    return check_consensus_factor(float(a), f" at step {step}")
 
 
 def scan_groups(topology: Topology) -> Dict[int, List[Tuple[int, ...]]]:
@@ -208,11 +206,12 @@ def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optiona
         return MixPlan(step, 1.0, [], [], [], a)
     group = groups.group_of(topo_step) if groups is not None else None
     if group is not None:
+        # The same mix with W the group's average, written with the group's sum S (this rank's buffer in it): self
+        # weight 1 - a, S weighted a / |G| (not Peers.mixed's a * (1 / |G|), which may round otherwise).
         return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group)
-    peers = topology.peers(rank, topo_step)
-    recv = [r for r, _ in peers.recv]
-    weights = [a * w for _, w in peers.recv]
-    return MixPlan(step, 1.0 - a + a * peers.self_weight, recv, weights, list(peers.send), a, topo_step=topo_step)
+    peers = topology.peers(rank, topo_step).mixed(a)
+    return MixPlan(step, peers.self_weight, [r for r, _ in peers.recv], [w for _, w in peers.recv], peers.send, a,
+                   topo_step=topo_step)
 
 
 def check_mix_width(topology: Topology, rank: int, world_size: int, groups: Optional[GroupSteps], extra: int,

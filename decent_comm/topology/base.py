@@ -43,6 +43,15 @@ class Peers:
         """``max(len(recv), len(send))``: peers this rank talks to in one direction."""
         return max(len(self.recv), len(self.send))
 
+    def mixed(self, a: float) -> "Peers":
+        """This row of ``W`` as a row of the consensus mix ``(1 - a) I + a W`` (``a`` in [0, 1]; the one place
+        that formula is written: ``ConsensusTopology`` and the optimizer's plans use it): self weight
+        ``(1 - a) + a W_ii``, neighbour weights ``a W_ij``, the same senders.  ``a = 0`` lists no peers: no
+        communication at all, not neighbours of weight 0."""
+        if a == 0.0:
+            return Peers(1.0, [], [])
+        return Peers((1.0 - a) + a * self.self_weight, [(j, a * w) for j, w in self.recv], list(self.send))
+
 
 class Topology:
     """A periodic gossip schedule.  See the module docstring.

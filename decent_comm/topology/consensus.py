@@ -10,18 +10,22 @@ from ``W``; for ``a < 1`` every self weight is positive.
 """
 from __future__ import annotations
 
-import math
-
 from .base import Peers, Topology
+
+
+def check_consensus_factor(a: float, context: str = "") -> float:
+    """``a`` if it lies in [0, 1], else a ValueError (NaN too) saying so, ``context`` (e.g. " at step 5") after it:
+    the range check of every consensus factor, a topology's and the optimizer's per step."""
+    if not 0.0 <= a <= 1.0:  # False for NaN
+        raise ValueError(f"the consensus factor must be in [0, 1], got {a!r}{context}")
+    return a
 
 
 class ConsensusTopology(Topology):
     """``base`` mixed with the identity: ``W = (1 - a) I + a W_base``."""
 
     def __init__(self, base: Topology, a: float):
-        a = float(a)
-        if not (math.isfinite(a) and 0.0 <= a <= 1.0):
-            raise ValueError(f"consensus factor a must be in [0, 1], got {a!r}")
+        a = check_consensus_factor(float(a))
         super().__init__(base.world_size, period=base.period, local_world_size=base.local_world_size,
                          name=f"{base.name}+consensus({a:g})", allow_biased=base.allow_biased,
                          allow_disconnected=base.allow_disconnected or a == 0.0)
@@ -29,12 +33,10 @@ class ConsensusTopology(Topology):
         self.a = a
 
     def peers(self, rank: int, step: int) -> Peers:
-        if self.a == 0.0:
+        if self.a == 0.0:  # no peers whatever the base's row is (Peers.mixed): it is not computed
             self._check_rank(rank)
             return Peers(1.0, [], [])
-        p = self.base.peers(rank, step)
-        a = self.a
-        return Peers((1.0 - a) + a * p.self_weight, [(j, a * w) for j, w in p.recv], list(p.send))
+        return self.base.peers(rank, step).mixed(self.a)
 
 
 def with_consensus(topology: Topology, a: float) -> Topology:
