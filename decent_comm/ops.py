@@ -62,6 +62,11 @@ MAX_NEIGHBORS = 32
 #: the 8-bit wire's buckets (decent_comm.optim.int8_wire.check_bucket_sizes) hold at most this many elements.
 MAX_PAYLOAD_ELEMENTS = 2 ** 31 - 1
 
+#: Elements per float32 scale of the 8-bit wire's payloads (0.8% of a payload is scales): the default
+#: ``block``/``payload_block`` of these ops and the block decent_comm.optim.int8_wire encodes with, defined here
+#: alone. The kernels take any multiple of 4 in [4, 8192] (csrc/op_call.cpp); both ends of an edge must use one.
+INT8_BLOCK = 512
+
 _INT64_MAX = 2 ** 63 - 1
 
 
@@ -97,13 +102,13 @@ def _wire(copies, payloads, payload_offset, payload_block):
         raise ValueError("pass copies and payloads together (one payload per copy), or neither")
     offset, block = _int64("payload_offset", payload_offset), _int64("payload_block", payload_block)
     if copies is None:  # checked all the same: a bad value is a bug in the caller whether or not a wire is used
-        return None, None, 0, 512
+        return None, None, 0, INT8_BLOCK
     return list(copies), list(payloads), offset, block
 
 
 def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight: float,
                 weights: Sequence[float], disagreement: Optional[torch.Tensor] = None, *, copies=None, payloads=None,
-                payload_offset: int = 0, payload_block: int = 512) -> None:
+                payload_offset: int = 0, payload_block: int = INT8_BLOCK) -> None:
     """x <- self_weight * x + sum_j weights[j] * neighbors[j] (with copies: see the module doc)."""
     _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement,
                      *_wire(copies, payloads, payload_offset, payload_block))
@@ -112,7 +117,7 @@ def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight:
 def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, momentum=0.0, dampening=0.0,
              weight_decay=0.0, nesterov=False, first_step=False, disagreement=None, *, grad_scale=None,
              found_inf=None, state_step=None, copies=None,
-             payloads=None, payload_offset=0, payload_block=512) -> None:
+             payloads=None, payload_offset=0, payload_block=INT8_BLOCK) -> None:
     """Gossip mix fused with a torch.optim.SGD step whose direction is computed at x_old (AWC):
 
     g' = g + weight_decay * x_old; b = momentum * b + (1 - dampening) * g' (b = g' on the first step);
@@ -132,7 +137,7 @@ def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, mome
 def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, step, lr, beta1=0.9,
               beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False, disagreement=None, *, grad_scale=None,
               found_inf=None, state_step=None, copies=None,
-              payloads=None, payload_offset=0, payload_block=512) -> None:
+              payloads=None, payload_offset=0, payload_block=INT8_BLOCK) -> None:
     """Gossip mix fused with a torch.optim.Adam (decoupled=False) / AdamW (decoupled=True) step.
 
     ``step`` is the 1-based count after this update, or None with ``state_step``, the device count of the
@@ -149,7 +154,7 @@ def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, ste
 def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, accum, step, accum_steps,
                     lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False,
                     disagreement=None, *, grad_scale=None, found_inf=None, state_step=None, copies=None,
-                    payloads=None, payload_offset=0, payload_block=512) -> None:
+                    payloads=None, payload_offset=0, payload_block=INT8_BLOCK) -> None:
     """Gossip mix fused with an AccumAdam(W) step (Wang et al., ICLR 2025).
 
     With K = accum_steps, t the 1-based update number (``step`` as in mix_adam_) and k = ceil(t / K):
@@ -165,7 +170,7 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
                          *_wire(copies, payloads, payload_offset, payload_block))
 
 
-def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = 512) -> None:
+def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
     """The 8-bit wire's encoder, one pass over memory: payload <- Q(x - copy), then copy += deq(payload).
 
     Q cuts x - copy (rounded to float32) into blocks of ``block`` elements and writes, per block, int8 levels
@@ -187,20 +192,20 @@ def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, blo
     _ops.int8_encode_(x, copy, payload, _int64("block", block))
 
 
-def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = 512) -> None:
+def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
     """copy += deq(payload) (level * scale, then the add, each rounded to float32): a receiver's side of
     int8_encode_."""
     _ops.int8_dequantize_add_(copy, payload, _int64("block", block))
 
 
-def int8_payload_nbytes(numel: int, block: int = 512) -> int:
+def int8_payload_nbytes(numel: int, block: int = INT8_BLOCK) -> int:
     """Bytes of an int8_encode_ payload for `numel` elements: the levels padded to whole blocks, and a float32
     scale per block."""
     blocks = -(-numel // block)
     return blocks * block + 4 * blocks
 
 
-def int8_payload_views(payload: torch.Tensor, block: int = 512):
+def int8_payload_views(payload: torch.Tensor, block: int = INT8_BLOCK):
     """The (blocks, block) int8 levels and the (blocks,) float32 scales of an int8_encode_ payload, as views of it
     (the one place in Python that knows the layout)."""
     if payload.dim() != 1 or payload.dtype != torch.uint8 or payload.numel() % (block + 4):

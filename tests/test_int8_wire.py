@@ -33,12 +33,12 @@ def test_one_round_is_the_numpy_model_within_half_a_step(n):
     payload = torch.empty(W8.payload_nbytes(n), dtype=torch.uint8)
     copy = torch.zeros(n)
     W8.encode_(d, copy, payload)
-    q, scale = ops.int8_payload_views(payload, W8.BLOCK)
+    q, scale = ops.int8_payload_views(payload, ops.INT8_BLOCK)
     assert np.array_equal(q.reshape(-1)[:n].numpy(), want_q)
     assert np.array_equal(scale.numpy(), want_scale)
     assert np.array_equal(copy.numpy(), want_deq)
-    blocks = torch.nn.functional.pad(d, (0, q.numel() - n)).view(-1, W8.BLOCK)
-    bound = (blocks.abs().amax(1) / 254 * (1 + 1e-6)).repeat_interleave(W8.BLOCK)[:n]
+    blocks = torch.nn.functional.pad(d, (0, q.numel() - n)).view(-1, ops.INT8_BLOCK)
+    bound = (blocks.abs().amax(1) / 254 * (1 + 1e-6)).repeat_interleave(ops.INT8_BLOCK)[:n]
     assert ((copy - d).abs() <= bound).all()
 
 

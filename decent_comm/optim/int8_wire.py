@@ -5,12 +5,12 @@ Each rank keeps public copies, float32, as optimizer state of the bucket:
 - for every set S of ranks it sends to (one per step of a one-peer graph, one for a static graph), the copy
   s_S of itself that those receivers hold;
 - for every neighbour j it receives from (with j's send set S_j at that step), its copy r_{j,S_j} of j.
-A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of BLOCK elements, and
-both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a sender's s and
-its receivers' r stay bit-identical, on any mix of CPUs and GPUs. Encoding and decoding are one pass over memory
-each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_; on the receiving side the mix
-kernel itself adds the payloads to the copies it reads (the ops' ``copies=``/``payloads=``), so a received round
-costs no pass of its own. The mix uses the copies in difference form,
+A round sends q = Q(x - s_S): int8 values and one float32 scale (absmax / 127) per block of ops.INT8_BLOCK
+elements, and both ends add deq(q) to their copy with the same float32 operations (`dequantize_add_`), so a
+sender's s and its receivers' r stay bit-identical, on any mix of CPUs and GPUs. Encoding and decoding are one pass
+over memory each: the fused codec kernels decent_comm.ops.int8_encode_ / int8_dequantize_add_; on the receiving
+side the mix kernel itself adds the payloads to the copies it reads (the ops' ``copies=``/``payloads=``), so a
+received round costs no pass of its own. The mix uses the copies in difference form,
 
     x_i <- x_i + sum_j w_ij r_j - (sum_j w_ij) s_i            (MixPlan.as_correction; AWC: inside the update)
 
@@ -34,24 +34,23 @@ from .. import ops
 from ..topology import Topology
 from .plan import MixInputs
 
-BLOCK = 512      # elements per scale: 0.8% of the payload is scales
 #: opt.state keys of the public copies start with this
 PREFIX = "int8_wire"
 
 
-def payload_nbytes(numel: int, block: int = BLOCK) -> int:
+def payload_nbytes(numel: int, block: int = ops.INT8_BLOCK) -> int:
     return ops.int8_payload_nbytes(numel, block)
 
 
 @torch.no_grad()
-def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+def encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = ops.INT8_BLOCK) -> None:
     """payload <- Q(x - copy), then copy += deq(payload) (the receivers' copy of x after this round): one pass of
     the fused codec kernel (decent_comm.ops.int8_encode_)."""
     ops.int8_encode_(x, copy, payload, block)
 
 
 @torch.no_grad()
-def dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = BLOCK) -> None:
+def dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = ops.INT8_BLOCK) -> None:
     """copy += deq(payload): the one definition both ends of an edge run (decent_comm.ops.int8_dequantize_add_,
     the same IEEE operations on every CPU and GPU), so their copies stay identical."""
     ops.int8_dequantize_add_(copy, payload, block)
@@ -118,7 +117,7 @@ def copies_per_rank(topology: Topology, rank: int) -> int:
 class Int8Wire:
     """The public copies and payloads of every bucket (see the module doc). `plan`s are MixPlans of p2p steps."""
 
-    def __init__(self, topology: Topology, rank: int, block: int = BLOCK):
+    def __init__(self, topology: Topology, rank: int, block: int = ops.INT8_BLOCK):
         self.topology, self.rank, self.block = topology, rank, block
         self._payload: Dict[int, torch.Tensor] = {}   # bucket -> what it sends (kept until the exchange ends)
         self._undecoded: Set[int] = set()            # buckets whose last exchange's payloads are not added yet

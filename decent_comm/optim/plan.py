@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import ops
 from ..topology import Adaptive, Topology, averaging_groups
 from ..topology.analysis import MIN_ALLREDUCE_GROUP
 from ..topology.consensus import check_consensus_factor
@@ -70,7 +71,7 @@ class MixInputs:
     neighbors: List = field(default_factory=list)
     copies: List = field(default_factory=list)
     payloads: List = field(default_factory=list)
-    block: int = 512
+    block: int = ops.INT8_BLOCK
 
     def __bool__(self) -> bool:
         return bool(self.neighbors or self.copies)
