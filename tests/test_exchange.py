@@ -135,6 +135,8 @@ def _bad_inputs(rank, world_size):
     out["wait after synchronize"] = _errors(lambda: ex.wait(3))
     out["bad wire dtype"] = _errors(lambda: Exchanger(wire_dtype=torch.int32))
     out["bad timeout"] = _errors(lambda: Exchanger(timeout=0))
+    out["timeout string"] = _errors(lambda: Exchanger(timeout="30"))  # float() took it
+    out["infinite timeout"] = _errors(lambda: Exchanger(timeout=float("inf")))  # overflowed the milliseconds
     out["self exchange on gloo"] = _errors(lambda: Exchanger(_allow_self_exchange=True))
     with Exchanger(wire_dtype=torch.bfloat16) as exw:
         out["int send with wire dtype"] = _errors(
@@ -173,6 +175,8 @@ BAD_INPUTS = {
     "wait after synchronize": ("none", []),
     "bad wire dtype": ("ValueError", ["wire_dtype", "floating"]),
     "bad timeout": ("ValueError", ["timeout"]),
+    "timeout string": ("ValueError", ["Exchanger: timeout must be a positive number of seconds", "'30'"]),
+    "infinite timeout": ("ValueError", ["Exchanger: timeout must be a positive number of seconds", "inf"]),
     "self exchange on gloo": ("ValueError", ["_allow_self_exchange", "NCCL"]),
     "int send with wire dtype": ("ValueError", ["Int", "floating point buffers only"]),
     "recv not in wire dtype": ("ValueError", ["recvs[0]", "BFloat16", "wire_dtype"]),

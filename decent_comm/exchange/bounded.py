@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import _closing
 from .arrival import ExchangeError, ExchangeTimeout, in_global_ranks, wait_for_ranks
 from .roster import BLAME_GRACE_S, Roster, swap
+from .timeouts import timeout_seconds
 
 
 #: How long a finished all-reduce's tensor is kept. gloo's worker thread lets go of the work microseconds after the
@@ -81,12 +82,12 @@ def _crc(text: str) -> float:
 
 
 class BoundedAllReduce:
-    def __init__(self, process_group=None, *, timeout: Optional[float] = None, device=None,
+    def __init__(self, process_group=None, *, timeout=None, device=None,
                  owner: str = "bounded all-reduce"):
         self.owner = owner  # what the messages call the object that runs these all-reduces ("optimizer")
         self.group = process_group  # None: the default group, looked up at each call (see above)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.timeout = None if timeout is None else float(timeout)
+        self.timeout = timeout_seconds(timeout, "BoundedAllReduce: ")
         self.gloo = "nccl" not in str(dist.get_backend(self.group))
         self.bounded = self.timeout is not None and self.gloo
         self.device = torch.device("cpu") if device is None else torch.device(device)

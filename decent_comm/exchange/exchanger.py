@@ -33,14 +33,13 @@ and leaves no rank with an exchanger, or a tag channel used up, that another ran
 """
 from __future__ import annotations
 
-import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .._native import _C
-from . import _closing
+from . import _closing, timeouts
 from .arrival import wait_for_ranks
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available", "MAX_BUCKETS"]
@@ -58,16 +57,6 @@ ExchangeTimeout = _C.ExchangeTimeout
 def nccl_available() -> bool:
     """True when this build of the extension has the NCCL transport."""
     return hasattr(_C, "_nccl_transport")
-
-
-def _timeout_ms(timeout) -> int:
-    """timeout (seconds, or a timedelta) in ms; -1 (the transport's default) for None."""
-    if timeout is None:
-        return -1
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"Exchanger: timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
-    return max(1, round(seconds * 1000))
 
 
 def _check_wire_dtype(wire_dtype):
@@ -153,7 +142,7 @@ class Exchanger(_C._Exchanger):
         transport, problem, timeout_ms = None, None, -1
         try:  # everything that can refuse this rank's arguments, before any rank commits to anything
             device = _resolve_device(device, group)
-            timeout_ms = _timeout_ms(timeout)
+            timeout_ms = timeouts.timeout_ms(timeouts.timeout_seconds(timeout, "Exchanger: "))
             _check_wire_dtype(wire_dtype)
             _check_max_ctas(nccl_max_ctas)
             use_nccl = device.type == "cuda" and nccl_available()

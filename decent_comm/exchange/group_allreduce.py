@@ -40,7 +40,8 @@ import torch.distributed as dist
 from . import _closing
 from .arrival import group_timeout_s, wait_for_ranks
 from .roster import Roster
-from .exchanger import ExchangeError, ExchangeTimeout, _timeout_ms
+from .exchanger import ExchangeError, ExchangeTimeout
+from .timeouts import timeout_ms, timeout_seconds
 
 Group = Tuple[int, ...]
 
@@ -61,7 +62,7 @@ class GroupAllReduce:
         self.world_size = dist.get_world_size(process_group)
         if process_group is not None and self.world_size != dist.get_world_size():
             raise ValueError("GroupAllReduce needs the default process group (dist.new_group is collective over it)")
-        ms = _timeout_ms(timeout)
+        ms = timeout_ms(timeout_seconds(timeout, "GroupAllReduce: "))  # whole ms, as the Exchanger beside it
         self.timeout = None if ms < 0 else datetime.timedelta(milliseconds=ms)
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
         backend = dist.get_backend(process_group)

@@ -35,7 +35,6 @@ from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
-from .startup import timeout_seconds
 from .tracing import log_setup, traced
 from .warmup import WarmupAverage
 from .wire_buffers import WireBuffers
@@ -90,7 +89,7 @@ class GossipSchedule(ScheduleCheckpoint):
                                            groups=self.group_steps.all_groups if self.group_steps is not None else ())
         # The whole-group all-reduces (warm-up gradients, adaptive statistics, global_average, ...) raise within
         # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
-        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout_seconds(timeout), device=self.device,
+        self.all_reduce = BoundedAllReduce(process_group, timeout=timeout, device=self.device,
                                            owner="optimizer") if world_size > 1 else None
         self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite,
                                     cadence) if world_size > 1 else None

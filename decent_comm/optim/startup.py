@@ -2,10 +2,8 @@
 (from a name, a Topology or matrices, with ranks-per-node read here from torchrun's environment), and the
 start-up checks that every rank holds the same replica and configuration."""
 
-import datetime
 import itertools
 import logging
-import math
 import os
 import pickle
 import weakref
@@ -18,7 +16,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook, register_m
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import topology as topo_mod
-from ..exchange import ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, wait_for_ranks
+from ..exchange import (ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, timeout_seconds,
+                        wait_for_ranks)
 from .plan import consensus_factor
 
 log = logging.getLogger(__name__)
@@ -41,11 +40,6 @@ def distributed_context(process_group):
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process_group given: "
                          "build the optimizer on the ranks of that group only")
     return rank, dist.get_world_size(process_group)
-
-
-def timeout_seconds(timeout):
-    """The `timeout` option in seconds (None stays None: the process group's own timeout)."""
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
 
 
 def usable_timeout(timeout):
@@ -74,11 +68,7 @@ def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be the torch.nn.Module whose forward uses the parameters (or None), got "
                          f"{type(model).__name__}")
-    if timeout is not None:
-        seconds = timeout_seconds(timeout)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                or seconds <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
+    timeout_seconds(timeout)
     if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
         raise ValueError(f"comm_dtype must be None, torch.float32, torch.float64, torch.bfloat16, torch.float16 or "
                          f"torch.int8 (the 8-bit wire with error feedback), got {comm_dtype!r}")
