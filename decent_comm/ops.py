@@ -8,12 +8,17 @@ of equal length on one device; optimizer state is float32.
 ``disagreement``, when given, is a 1-element float32 tensor that receives sum((mixed - x_old)^2), the
 squared distance to the neighbourhood average, computed in the same pass over memory.
 
-Refused, with a RuntimeError naming the argument, before anything is written: wrong lengths, dtypes, devices,
-layouts or shifted/shared memory; a non-finite weight or hyper-parameter, or one that overflows the math dtype
-(float32 unless x is float64); lr, eps, momentum, weight_decay < 0; betas outside [0, 1) (also once rounded to
-float32); step < 1, accum_steps < 1; and, while autograd is recording, any operand that requires grad (the ops
-have no derivative). Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept
-Parameters there; every written tensor's version counter is bumped, as torch's in-place ops do.
+Refused before anything is written, with a message that starts ``decent_comm.<op>: `` and names the argument:
+- by the kernels' checks (C++), with a RuntimeError: wrong lengths, dtypes, devices, layouts or shifted/shared
+  memory; a non-finite weight or hyper-parameter, or one that overflows the math dtype (float32 unless x is
+  float64); lr, eps, momentum, weight_decay < 0; betas outside [0, 1) (also once rounded to float32); step < 1,
+  accum_steps < 1; a payload_block/block that is not a multiple of 4 in [4, 8192]; and, while autograd is
+  recording, any operand that requires grad (the ops have no derivative);
+- here, in Python, before the call, with a ValueError: step, accum_steps, payload_offset, payload_block or block
+  that is not an integer or does not fit in int64 (step=1.5; step=0 is the kernels'); step=None without
+  state_step, or a step given with it; copies without payloads or payloads without copies.
+Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept Parameters there;
+every written tensor's version counter is bumped, as torch's in-place ops do.
 
 The 8-bit wire dequantized inside the mix (every op, keyword-only): ``copies`` (float32 flat buffers, the public
 copies of decent_comm.optim.int8_wire) and ``payloads`` (one int8_encode_ payload per copy, whole, uint8) with
@@ -70,25 +75,31 @@ INT8_BLOCK = 512
 _INT64_MAX = 2 ** 63 - 1
 
 
-def _int64(name: str, value) -> int:
+def _refused(op: str, problem: str) -> ValueError:
+    """A Python-side refusal of op `op`'s arguments, prefixed as the kernels' own (RuntimeError) refusals are."""
+    return ValueError(f"decent_comm.{op}: {problem}")
+
+
+def _int64(op: str, name: str, value) -> int:
     """`value` as an int64 for the op schema, refused by name when it is not an integer or does not fit."""
     try:
         v = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        raise _refused(op, f"{name} must be an integer, got {value!r}") from None
     if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
-        raise ValueError(f"{name} must fit in int64 (at most 2**63 - 1), got {v}")
+        raise _refused(op, f"{name} must fit in int64 (at most 2**63 - 1), got {v}")
     return v
 
 
-def _step_args(step, state_step) -> int:
+def _step_args(op: str, step, state_step) -> int:
     """The schema's host step: the given one, or 0 when the count comes from the device (state_step)."""
     if state_step is None:
         if step is None:
-            raise ValueError("step is None but no state_step was given: pass the 1-based step or a state_step tensor")
-        return _int64("step", step)
+            raise _refused(op, "step is None but no state_step was given: pass the 1-based step or a state_step "
+                               "tensor")
+        return _int64(op, "step", step)
     if step is not None:
-        raise ValueError(f"pass step=None with state_step (the device count replaces it), got step={step!r}")
+        raise _refused(op, f"pass step=None with state_step (the device count replaces it), got step={step!r}")
     return 0
 
 
@@ -96,11 +107,11 @@ def _weights(weights: Sequence[float]):
     return [float(w) for w in weights]
 
 
-def _wire(copies, payloads, payload_offset, payload_block):
+def _wire(op: str, copies, payloads, payload_offset, payload_block):
     """The schema's copies, payloads, payload_offset, payload_block."""
     if (copies is None) != (payloads is None):
-        raise ValueError("pass copies and payloads together (one payload per copy), or neither")
-    offset, block = _int64("payload_offset", payload_offset), _int64("payload_block", payload_block)
+        raise _refused(op, "pass copies and payloads together (one payload per copy), or neither")
+    offset, block = _int64(op, "payload_offset", payload_offset), _int64(op, "payload_block", payload_block)
     if copies is None:  # checked all the same: a bad value is a bug in the caller whether or not a wire is used
         return None, None, 0, INT8_BLOCK
     return list(copies), list(payloads), offset, block
@@ -111,7 +122,7 @@ def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight:
                 payload_offset: int = 0, payload_block: int = INT8_BLOCK) -> None:
     """x <- self_weight * x + sum_j weights[j] * neighbors[j] (with copies: see the module doc)."""
     _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement,
-                     *_wire(copies, payloads, payload_offset, payload_block))
+                     *_wire("gossip_mix_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, momentum=0.0, dampening=0.0,
@@ -131,7 +142,7 @@ def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, mome
     _ops.mix_sgd_(x, list(neighbors), float(self_weight), _weights(weights), grad, momentum_buffer,
                   float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
                   bool(first_step), disagreement, grad_scale, found_inf, state_step,
-                  *_wire(copies, payloads, payload_offset, payload_block))
+                  *_wire("mix_sgd_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, step, lr, beta1=0.9,
@@ -146,9 +157,9 @@ def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, ste
     neighbours and self_weight = 1 it is one torch step.
     """
     _ops.mix_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
-                   _step_args(step, state_step), float(lr), float(beta1), float(beta2), float(eps),
+                   _step_args("mix_adam_", step, state_step), float(lr), float(beta1), float(beta2), float(eps),
                    float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step,
-                   *_wire(copies, payloads, payload_offset, payload_block))
+                   *_wire("mix_adam_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, accum, step, accum_steps,
@@ -164,10 +175,11 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
     A skipped (found_inf) step does not count: it neither accumulates nor moves the window.
     """
     _ops.mix_accum_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
-                         accum, _step_args(step, state_step), _int64("accum_steps", accum_steps), float(lr),
-                         float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
+                         accum, _step_args("mix_accum_adam_", step, state_step),
+                         _int64("mix_accum_adam_", "accum_steps", accum_steps), float(lr), float(beta1),
+                         float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
                          grad_scale, found_inf, state_step,
-                         *_wire(copies, payloads, payload_offset, payload_block))
+                         *_wire("mix_accum_adam_", copies, payloads, payload_offset, payload_block))
 
 
 def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
@@ -189,13 +201,13 @@ def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, blo
     x plus the error passes FLT_MAX: from a zero copy only in a block whose absmax is FLT_MAX itself, from another
     for an element within absmax / 254 of +-FLT_MAX.
     """
-    _ops.int8_encode_(x, copy, payload, _int64("block", block))
+    _ops.int8_encode_(x, copy, payload, _int64("int8_encode_", "block", block))
 
 
 def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
     """copy += deq(payload) (level * scale, then the add, each rounded to float32): a receiver's side of
     int8_encode_."""
-    _ops.int8_dequantize_add_(copy, payload, _int64("block", block))
+    _ops.int8_dequantize_add_(copy, payload, _int64("int8_dequantize_add_", "block", block))
 
 
 def int8_payload_nbytes(numel: int, block: int = INT8_BLOCK) -> int:
@@ -209,8 +221,8 @@ def int8_payload_views(payload: torch.Tensor, block: int = INT8_BLOCK):
     """The (blocks, block) int8 levels and the (blocks,) float32 scales of an int8_encode_ payload, as views of it
     (the one place in Python that knows the layout)."""
     if payload.dim() != 1 or payload.dtype != torch.uint8 or payload.numel() % (block + 4):
-        raise ValueError(f"not an int8_encode_ payload of blocks of {block}: {payload.dtype} of shape "
-                         f"{tuple(payload.shape)} (int8_payload_nbytes gives its size)")
+        raise _refused("int8_payload_views", f"not an int8_encode_ payload of blocks of {block}: {payload.dtype} of "
+                       f"shape {tuple(payload.shape)} (int8_payload_nbytes gives its size)")
     blocks = payload.numel() // (block + 4)
     return (payload[:blocks * block].view(torch.int8).view(blocks, block),
             payload[blocks * block:].view(torch.float32))

@@ -1,5 +1,7 @@
 """Misuse of the fused ops: every bad argument raises, naming it, before anything is written."""
 
+import re
+
 import pytest
 import torch
 
@@ -350,3 +352,39 @@ def test_inference_tensors_are_written_only_in_inference_mode():
         ops.gossip_mix_(x, [torch.zeros(16)], 0.5, [0.5])
         assert torch.all(x == 0.5)
     assert_refused("mix", {**operands("mix"), "x": x}, r"x is an inference tensor")
+
+
+# Which side refuses decides the exception type (the module doc of decent_comm.ops): the kernels' checks raise
+# RuntimeError, the Python-side checks before the call ValueError; both start "decent_comm.<op>: " and name the
+# argument (step=0 was a RuntimeError saying so, step=1.5 a ValueError without the op).
+OP_NAMES = {"mix": "gossip_mix_", "sgd": "mix_sgd_", "adam": "mix_adam_", "accum": "mix_accum_adam_"}
+WHO_REFUSES = [
+    ("adam", {"step": 0}, RuntimeError, "step is the 1-based count after this update and must be >= 1, got 0"),
+    ("adam", {"step": 1.5}, ValueError, "step must be an integer, got 1.5"),
+    ("accum", {"step": None}, ValueError, "step is None but no state_step was given"),
+    ("accum", {"accum_steps": 0}, RuntimeError, "accum_steps must be >= 1"),
+    ("accum", {"accum_steps": 2 ** 64}, ValueError, "accum_steps must fit in int64"),
+    ("sgd", {"lr": -1.0}, RuntimeError, "lr must be"),
+    ("sgd", {"payload_block": 1.5}, ValueError, "payload_block must be an integer"),
+    ("mix", {"payload_offset": "x"}, ValueError, "payload_offset must be an integer"),
+    ("mix", {"copies": [torch.zeros(16)]}, ValueError, "pass copies and payloads together"),
+]
+
+
+@pytest.mark.parametrize("op,bad,error,says", WHO_REFUSES, ids=[f"{op}-{next(iter(b))}-{e.__name__}"
+                                                              for op, b, e, _ in WHO_REFUSES])
+def test_kernel_checks_raise_runtime_error_python_checks_value_error_both_naming_the_op(op, bad, error, says):
+    assert_refused(op, {**operands(op), **bad}, "^" + re.escape(f"decent_comm.{OP_NAMES[op]}: {says}"), error)
+
+
+def test_codec_checks_name_the_op_too():
+    x, copy = torch.randn(16), torch.zeros(16)
+    payload = torch.empty(ops.int8_payload_nbytes(16, 512), dtype=torch.uint8)
+    for call, op in ((lambda b: ops.int8_encode_(x, copy, payload, b), "int8_encode_"),
+                     (lambda b: ops.int8_dequantize_add_(copy, payload, b), "int8_dequantize_add_")):
+        with pytest.raises(RuntimeError, match=rf"^decent_comm\.{op}: block must be a multiple of 4"):
+            call(6)
+        with pytest.raises(ValueError, match=rf"^decent_comm\.{op}: block must be an integer, got 512\.0"):
+            call(512.0)
+    with pytest.raises(ValueError, match=r"^decent_comm\.int8_payload_views: not an int8_encode_ payload"):
+        ops.int8_payload_views(payload[:-1], 512)
