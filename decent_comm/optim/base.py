@@ -337,9 +337,11 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             nbs, wire = neighbors.at(sl)  # wire: the 8-bit wire's copies and payloads of this segment
             dis = self._schedule.meter.slot(b, k) if mixing else None
             if seg.has_grad and not skip_update:
-                kw = dict(self._amp.op_kwargs() if self._amp else {}, state_step=b.step_count[seg.first:seg.first + 1])
+                # the device count (and GradScaler's scalars) replace the host step
+                counts = dict(self._amp.op_kwargs() if self._amp else {},
+                              state_step=b.step_count[seg.first:seg.first + 1]) if on_device else {}
                 self._local_update(b, sl, group, None if on_device else seg.step, nbs, self_weight, weights,
-                                   disagreement=dis, **(kw if on_device else {}), **wire)
+                                   disagreement=dis, **counts, **wire)
                 if on_device:
                     spread_count(b, seg)
             elif mixing:
