@@ -70,7 +70,7 @@ def _clone_aliasing(buckets: List[Bucket], foreign: list, addresses: list) -> No
         if address is None:
             continue
         for lo, hi in ranges:
-            if lo <= address <= hi:
+            if lo <= address < hi:  # hi: one past the storage's last byte
                 b, i, view, g = foreign[k]
                 if g.untyped_storage().data_ptr() in ours:
                     foreign[k] = (b, i, view, g.clone())
