@@ -179,3 +179,18 @@ def test_warmup_averages_a_locally_unused_parameter_as_ddp_does():
         for p, q, r0 in zip(ours, ddp, results[0][0]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} vs DDP: {m}")
             torch.testing.assert_close(p, r0, rtol=0, atol=0, msg=lambda m: f"rank {rank} vs rank 0: {m}")
+
+
+def test_every_plan_of_a_gossip_round_records_its_round():
+    """MixPlan.topo_step is the topology step a plan mixes with (the gossip round): point-to-point, group, a = 0 and
+    one-rank plans alike (the group and a = 0 plans left it None)."""
+    from decent_comm.optim.plan import GroupSteps, mix_plan
+    ring, complete = T.make("ring", 4), T.make("complete", 4)
+    groups = GroupSteps.scan(complete, 1, 4, "auto")
+    plans = {"p2p": mix_plan(ring, 1, 9, 0.5, topo_step=3),
+             "group": mix_plan(complete, 1, 9, 0.5, groups, topo_step=3),
+             "a=0": mix_plan(ring, 1, 9, 0.0, topo_step=3),
+             "one rank": mix_plan(T.make("ring", 1), 0, 9, 1.0, topo_step=3)}
+    assert plans["group"].group == (0, 1, 2, 3) and plans["p2p"].recv and plans["a=0"].silent
+    assert {kind: p.topo_step for kind, p in plans.items()} == dict.fromkeys(plans, 3)
+    assert mix_plan(ring, 1, 9, 0.0).topo_step == 9  # without a cadence the step is the round

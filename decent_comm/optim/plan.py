@@ -204,12 +204,12 @@ def mix_plan(topology: Topology, rank: int, step: int, a: float, groups: Optiona
     the gossip round under a Cadence)."""
     topo_step = step if topo_step is None else topo_step
     if a == 0.0 or topology.world_size == 1:
-        return MixPlan(step, 1.0, [], [], [], a)
+        return MixPlan(step, 1.0, [], [], [], a, topo_step=topo_step)
     group = groups.group_of(topo_step) if groups is not None else None
     if group is not None:
         # The same mix with W the group's average, written with the group's sum S (this rank's buffer in it): self
         # weight 1 - a, S weighted a / |G| (not Peers.mixed's a * (1 / |G|), which may round otherwise).
-        return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group)
+        return MixPlan(step, 1.0 - a, [], [a / len(group)], [], a, group=group, topo_step=topo_step)
     peers = topology.peers(rank, topo_step).mixed(a)
     return MixPlan(step, peers.self_weight, [r for r, _ in peers.recv], [w for _, w in peers.recv], peers.send, a,
                    topo_step=topo_step)
