@@ -137,6 +137,7 @@ def _bad_inputs(rank, world_size):
     out["bad timeout"] = _errors(lambda: Exchanger(timeout=0))
     out["timeout string"] = _errors(lambda: Exchanger(timeout="30"))  # float() took it
     out["infinite timeout"] = _errors(lambda: Exchanger(timeout=float("inf")))  # overflowed the milliseconds
+    out["huge timeout"] = _errors(lambda: Exchanger(timeout=1e10))  # overflowed the deadline: every wait timed out
     out["self exchange on gloo"] = _errors(lambda: Exchanger(_allow_self_exchange=True))
     with Exchanger(wire_dtype=torch.bfloat16) as exw:
         out["int send with wire dtype"] = _errors(
@@ -177,6 +178,7 @@ BAD_INPUTS = {
     "bad timeout": ("ValueError", ["timeout"]),
     "timeout string": ("ValueError", ["Exchanger: timeout must be a positive number of seconds", "'30'"]),
     "infinite timeout": ("ValueError", ["Exchanger: timeout must be a positive number of seconds", "inf"]),
+    "huge timeout": ("ValueError", ["Exchanger: timeout must be at most 1e+08 s", "10000000000.0"]),
     "self exchange on gloo": ("ValueError", ["_allow_self_exchange", "NCCL"]),
     "int send with wire dtype": ("ValueError", ["Int", "floating point buffers only"]),
     "recv not in wire dtype": ("ValueError", ["recvs[0]", "BFloat16", "wire_dtype"]),

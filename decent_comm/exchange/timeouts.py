@@ -8,16 +8,24 @@ import numbers
 from typing import Optional
 
 
+#: the longest timeout taken: the C++ transports' deadline is the steady clock's nanoseconds plus the timeout
+MAX_TIMEOUT_S = 1e8
+
+
 def timeout_seconds(timeout, who: str = "") -> Optional[float]:
     """`timeout` in seconds, None staying None; a ValueError, its message starting with `who` (e.g. "Exchanger: "),
     for anything else than a positive finite real number (numpy's too) or timedelta: a bool or a string from a config
-    file would pass float(), and an infinite one overflows the transports' milliseconds."""
+    file would pass float(), and an infinite or huge one overflows the transports' deadline."""
     if timeout is None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) \
             or seconds <= 0:
         raise ValueError(f"{who}timeout must be a positive number of seconds (or a timedelta), got {timeout!r}")
+    if seconds > MAX_TIMEOUT_S:
+        raise ValueError(f"{who}timeout must be at most {MAX_TIMEOUT_S:.0e} s (about 3 years), got {timeout!r}: the "
+                         "transports' deadline (now + timeout, in nanoseconds) overflows beyond 9.2e9 s, and every "
+                         "wait then timed out at once")
     return float(seconds)
 
 
