@@ -276,3 +276,27 @@ def test_atc_shutdown_after_a_failed_exchange_does_not_raise_it_again():
         assert "rank 2" in msg, (rank, msg)
         assert len(logged) == 1 and "the last step's mix was not applied" in logged[0] and "rank 2" in logged[0], \
             (rank, logged)
+
+
+def _atc_nonfinite_neighbour_then_shutdown(rank, n):
+    """Both ranks' values overflow the fp16 wire (1e5 > 65504): check_finite names the neighbour in step()."""
+    p = torch.nn.Parameter(torch.full((8,), 1e5))
+    opt = decent_comm.DSGD([p], lr=0.1, topology="ring", mode="atc", comm_dtype=torch.float16, check_finite=True,
+                           timeout=10)
+    try:
+        try:
+            for _ in range(3):
+                p.grad = torch.ones(8)
+                opt.step()
+        finally:
+            opt.shutdown()
+    except RuntimeError as exc:
+        return str(exc), repr(exc.__context__)
+    return "no error", ""
+
+
+def test_atc_shutdown_after_a_failed_mix_does_not_raise_it_again():
+    """shutdown() in the `finally:` raised the non-finite neighbour's error a second time (the first as its context)."""
+    for rank, (msg, context) in enumerate(run_ranks(_atc_nonfinite_neighbour_then_shutdown, 2, timeout=120)):
+        assert f"received non-finite values from rank {1 - rank} (check_finite=True)" in msg, (rank, msg)
+        assert context == "None", (rank, context)

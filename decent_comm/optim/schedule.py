@@ -35,6 +35,7 @@ from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
+from .teardown import remembers_failure
 from .tracing import log_setup, traced
 from .warmup import WarmupAverage
 from .wire_buffers import WireBuffers
@@ -69,6 +70,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._wire_restored = False      # int8 wire: inflight is a checkpoint's round, nothing to wait for
         self._hooks = None               # atc: MixBeforeUse
         self._shut_down = False          # shutdown() released the exchange: no more steps
+        self.mix_error = None            # atc: the error the last pending mix raised (teardown.remembers_failure)
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.int8_wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
@@ -286,6 +288,7 @@ class GossipSchedule(ScheduleCheckpoint):
         if self.adaptive is not None:
             self.adaptive.observe_mix(plan, self.meter.total())
 
+    @remembers_failure
     @traced("atc_mix")
     @torch.no_grad()
     def mix_pending(self, bucket_ids=None):
@@ -366,16 +369,16 @@ class GossipSchedule(ScheduleCheckpoint):
 
     def shutdown(self):
         # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
-        # x^{t+1}, as after synchronize(). Everything is released even if it fails. A mix whose exchange failed is
-        # not tried: raising that error again (shutdown() in a `finally:`) buried the one being handled under a repeat.
-        first, failed = None, self.exchange.error if self.exchange is not None else None
+        # x^{t+1}, as after synchronize(). Everything is released even if it fails. A mix that failed (or whose
+        # exchange did) is not tried: raising it again (shutdown() in a `finally:`) buried the error being handled.
+        first, failed = None, self.mix_error or (self.exchange.error if self.exchange is not None else None)
         if self.mode == "atc" and self.pending and not self._shut_down:
             try:
                 if failed is None:
                     self.mix_pending()
                 else:
-                    log.warning("decent_comm: shutdown(): the last step's mix was not applied, its exchange failed "
-                                "earlier (%s): this rank's parameters are its half-step x^{t+1/2}", failed)
+                    log.warning("decent_comm: shutdown(): the last step's mix was not applied, as it failed earlier "
+                                "(%s): this rank's parameters are its half-step x^{t+1/2}", failed)
             except Exception as e:  # noqa: BLE001 - raised once the exchange is released
                 first = e
         self._shut_down = True
