@@ -17,6 +17,8 @@ Refused before anything is written, with a message that starts ``decent_comm.<op
 - here, in Python, before the call, with a ValueError: step, accum_steps, payload_offset, payload_block or block
   that is not an integer or does not fit in int64 (step=1.5; step=0 is the kernels'); step=None without
   state_step, or a step given with it; copies without payloads or payloads without copies.
+Float hyper-parameters and weights go through float() unchecked (a string float() parses is taken; None raises
+float's own TypeError): the optimizers check their options' types before they call the ops.
 Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept Parameters there;
 every written tensor's version counter is bumped, as torch's in-place ops do.
 

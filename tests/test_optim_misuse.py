@@ -4,6 +4,7 @@ exchange is in flight, add_param_group, and options checked whatever the world s
 test_optim_ddp.py; ranks that disagree in test_optim_mismatch.py; late, silent, dead or non-finite ranks in
 test_optim_faults.py."""
 
+import datetime
 import fractions
 import re
 
@@ -98,6 +99,10 @@ def test_parameters_that_share_memory_are_refused(ctor):
     (dict(track_disagreement=1), "track_disagreement must be True or False"),
     (dict(consensus="0.5"), r"consensus factor must be a number in \[0, 1\], got '0.5' \(str\)"),
     (dict(consensus=True), "consensus factor must be a number"), (dict(consensus=1.5), "must be in"),
+    (dict(consensus=torch.tensor(True)), "consensus factor must be a number"),
+    (dict(consensus=torch.tensor([0.5, 0.5])), "consensus factor must be a number"),
+    (dict(timeout=1e10), "timeout must be at most"),  # the transports' deadline overflowed: every wait timed out
+    (dict(timeout=datetime.timedelta.max), "timeout must be at most"),
 ])
 def test_options_are_checked_at_world_size_one(bad, match):
     with pytest.raises(ValueError, match=match):

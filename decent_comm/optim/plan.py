@@ -130,7 +130,8 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
     else:
         a = consensus
     # A string or a bool would pass through float() ("0.5", True -> 1.0): a typo'd config value would train.
-    if isinstance(a, (bool, str, bytes)) or not isinstance(a, (numbers.Real, torch.Tensor)):
+    if isinstance(a, (bool, str, bytes)) or not isinstance(a, (numbers.Real, torch.Tensor)) or (isinstance(
+            a, torch.Tensor) and (a.numel() != 1 or a.dtype == torch.bool or a.is_complex())):
         raise ValueError(f"the consensus factor must be a number in [0, 1], got {a!r} ({type(a).__name__}) at step "
                          f"{step}")
     return check_consensus_factor(float(a), f" at step {step}")
