@@ -300,3 +300,34 @@ def test_atc_shutdown_after_a_failed_mix_does_not_raise_it_again():
     for rank, (msg, context) in enumerate(run_ranks(_atc_nonfinite_neighbour_then_shutdown, 2, timeout=120)):
         assert f"received non-finite values from rank {1 - rank} (check_finite=True)" in msg, (rank, msg)
         assert context == "None", (rank, context)
+
+
+def _failed_mix_then_other_buckets_mixed(rank, n):
+    """The second layer's values overflow the fp16 wire (a tiny lr keeps the first's finite): its pre-hook's mix
+    fails; a forward of the first layer alone then mixes nothing (its buckets are mixed already), and shutdown() must
+    still know the failed mix."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = decent_comm.DSGD(model.parameters(), lr=1e-7, topology="ring", mode="atc", model=model, bucket_cap_mb=1e-5,
+                           comm_dtype=torch.float16, check_finite=True, timeout=10)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    for t in range(4):  # the hooks learn which layer uses which bucket; the last step sends the overflow
+        if t == 3:
+            opt.synchronize()
+            with torch.no_grad():
+                model[1].weight.fill_(1e5)
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    with pytest.raises(RuntimeError, match="received non-finite values"):
+        model(torch.ones(2, 4))
+    model[0](torch.ones(2, 4))
+    opt.shutdown()
+    return [m for m in seen if "was not applied" in m]
+
+
+def test_a_failed_mix_is_not_raised_again_after_a_forward_that_mixed_other_buckets():
+    for rank, logged in enumerate(run_ranks(_failed_mix_then_other_buckets_mixed, 2, timeout=120)):
+        assert len(logged) == 1 and "received non-finite values" in logged[0], (rank, logged)

@@ -70,7 +70,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._wire_restored = False      # int8 wire: inflight is a checkpoint's round, nothing to wait for
         self._hooks = None               # atc: MixBeforeUse
         self._shut_down = False          # shutdown() released the exchange: no more steps
-        self.mix_error = None            # atc: the error the last pending mix raised (teardown.remembers_failure)
+        self.mix_error = None            # atc: the error of a mix still pending (teardown.remembers_failure)
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.int8_wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None

@@ -36,16 +36,17 @@ def shut_down_when_dropped(optimizer, schedule) -> None:
 
 
 def remembers_failure(mix_pending):
-    """For GossipSchedule.mix_pending: the error its last call raised (a failed transfer, a non-finite neighbour
-    under check_finite, a parameter written while in flight), None after a call that did not, is kept in the
-    schedule's `mix_error`, so that shutdown() - called in a `finally:` after it, typically - logs that the mix was
-    not applied instead of raising the same error again."""
+    """For GossipSchedule.mix_pending: the error it raised (a failed transfer, a non-finite neighbour under
+    check_finite, a parameter written while in flight) is kept in the schedule's `mix_error` while the mix it failed
+    is pending, so that shutdown() - called in a `finally:` after it, typically - logs that the mix was not applied
+    instead of raising the same error again. A call mixing other buckets (a later module's pre-hook) keeps it."""
     @functools.wraps(mix_pending)
     def remembering(schedule, *args, **kwargs):
-        schedule.mix_error = None
         try:
-            return mix_pending(schedule, *args, **kwargs)
+            mix_pending(schedule, *args, **kwargs)
         except Exception as e:
             schedule.mix_error = e
             raise
+        if not schedule.pending:  # every mix applied: nothing that failed is left
+            schedule.mix_error = None
     return remembering
