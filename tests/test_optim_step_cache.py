@@ -11,6 +11,7 @@ import torch
 
 import decent_comm
 from decent_comm.optim import buckets as buckets_module
+from decent_comm.optim import step_counts as step_counts_module
 
 OPTIMIZERS = {  # ours, torch's
     "DAdamW": (lambda ps, **o: decent_comm.DAdamW(ps, lr=0.05, **o), lambda ps: torch.optim.AdamW(ps, lr=0.05)),
@@ -256,9 +257,9 @@ def test_an_unchanged_step_skips_the_per_parameter_checks(monkeypatch):
     (converted) nor reads the step counts (Bucket.steps) nor rebuilds the bucket's runs (segments)."""
     ps, opt = _after_fast_steps("DAdamW")
     calls = []
-    for fn in ("converted", "segments"):
-        real = getattr(buckets_module, fn)
-        monkeypatch.setattr(buckets_module, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
+    for module, fn in ((buckets_module, "converted"), (step_counts_module, "segments")):
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
     monkeypatch.setattr(buckets_module.Bucket, "steps", property(lambda b: calls.append("steps") or
                                                                  [int(v) for v in b.step_count.tolist()]))
     for t in range(FAST_STEPS, FAST_STEPS + 3):

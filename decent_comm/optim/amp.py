@@ -10,7 +10,7 @@ Two ways to honour it:
   as torch's fused Adam does, so a step under GradScaler never waits for the device. The step counts then live
   on the device (``opt.state[p]["step"]``, as torch's fused Adam keeps them) and the host no longer knows them;
   it only knows which parameters had gradients at which steps, which is enough to group the parameters whose
-  counts agree (``buckets.refine_classes``);
+  counts agree (``step_counts.refine_classes``);
 - on the host (the wrapped torch optimizer, or scalars the kernels cannot take): read found_inf (one
   synchronization) and unscale the flat gradients before the update.
 """

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from .buckets import written
+from .param_versions import written
 from .replica_watch import all_reduce_mean_
 
 

@@ -26,16 +26,18 @@ from . import amp, int8_wire
 from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
-from .buckets import (Bucket, build_buckets, count_on_device, count_steps, grads_present, refine_classes,
-                      check_unwritten, note_in_flight, spread_count, step_segments, written)
+from .buckets import Bucket, build_buckets
+from .param_versions import check_unwritten, note_in_flight, written
+from .step_counts import count_on_device, count_steps, grads_present, refine_classes, spread_count, step_segments
 from .checkpointing import StateDictMixin
+from .ddp_guard import DDPGuard
 from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
 from .replica_watch import ReplicaWatch
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
 from .teardown import shut_down_when_dropped
-from .startup import (DDPGuard, broadcast_from_rank0, check_options, distributed_context, replica_config,
+from .startup import (broadcast_from_rank0, check_options, distributed_context, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
 from .user_edits import StateWatch, adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout

@@ -4,6 +4,9 @@ Parameters of one param group, device and dtype are laid out back to back in fla
 `bucket_cap_mb`; each Parameter keeps its identity but its .data becomes a view into its bucket, and its
 .grad a view into the bucket's flat gradient buffer. Optimizer state lives in flat float32 buffers of the
 same layout, exposed per parameter as views (so torch.optim's state_dict machinery sees per-param state).
+
+The buckets' step counts and the runs a fused kernel call spans: step_counts.py; the parameters' version
+counters (kernel writes autograd must see, user writes while a buffer is on the wire): param_versions.py.
 """
 
 import math
@@ -11,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.graph import increment_version
 
 from .flat_memory import flat_buffer
 from .shared_memory import check_no_shared_memory
@@ -53,7 +55,7 @@ class Bucket:
     # tells user_edits.StateWatch to look again.
     published: List[Optional[dict]] = field(default_factory=list)
     published_names: frozenset = frozenset()  # the state buffers the published views cover
-    # The parameters' version counters while the flat buffer is on the wire (note_in_flight), else None.
+    # The parameters' version counters while the flat buffer is on the wire (param_versions.note_in_flight), else None.
     versions: Optional[List[int]] = None
     # Once the kernels count the steps on the device (GradScaler, decent_comm.optim.amp): per slot, an id of its
     # history of updates; slots with equal ids have equal counts, which the host no longer reads. None before.
@@ -145,45 +147,6 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
     return buckets
 
 
-def written(buckets) -> None:
-    """The kernels wrote these buckets' parameters in place through the flat buffers, which autograd does not see
-    (each Parameter keeps its own version counter): bump the parameters' counters as an in-place op of torch
-    would, so a backward through a graph that saved them raises "modified by an inplace operation" (opt.step()
-    between a forward and its backward) instead of computing a gradient from values that are gone."""
-    increment_version([s.param for b in buckets for s in b.slots])
-
-
-def note_in_flight(buckets, sending) -> None:
-    """`sending`: the indices of the buckets whose flat buffers are on the wire now (sent without a copy): remember
-    their parameters' version counters, to tell a write by user code before the transfer completed
-    (check_unwritten). The others may be written."""
-    for b in buckets:
-        b.versions = _versions(b) if b.index in sending else None
-
-
-def _versions(b: Bucket) -> List[int]:
-    return [s.param._version for s in b.slots]
-
-
-def note_landed(buckets) -> None:
-    """The buckets' transfers completed: the parameters may be written again."""
-    for b in buckets:
-        b.versions = None
-
-
-def check_unwritten(buckets) -> None:
-    """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
-    bucket was still being sent: a neighbour may have received a buffer part before, part after the write."""
-    for b in buckets:
-        if b.versions is not None and _versions(b) != b.versions:
-            i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
-            raise RuntimeError(
-                f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
-                "in place between steps while this rank was still sending it (the exchange sends the parameters "
-                "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
-                "before writing parameters between steps.")
-
-
 def _dense(t: torch.Tensor) -> bool:
     """Its elements fill numel() consecutive places, each once, in some order of the dimensions (channels_last)."""
     expect = 1
@@ -206,18 +169,6 @@ def _materialize(b: Bucket) -> None:
                 grad_view.copy_(s.param.grad)
             s.param.data = view
             s.param.grad = grad_view if had_grad else None
-
-
-@dataclass
-class Segment:
-    """A run of consecutive parameters of one bucket that share (has a gradient, step count)."""
-
-    start: int
-    stop: int
-    has_grad: bool
-    step: int    # the slots' key: the step count (or the count class, see Bucket.classes)
-    first: int   # the slots it spans: first .. last
-    last: int
 
 
 @torch.no_grad()
@@ -265,96 +216,6 @@ def converted(b: Bucket, i: int) -> Optional[RuntimeError]:
         "model was converted, moved, resized or reshaped (model.to(...), .cuda(), .half()) after the optimizer was "
         "built. Build the optimizer after moving the model (as with DDP), or build a new one and load the old one's "
         "state_dict().")
-
-
-def segments(b: Bucket, steps: List[int], has: Optional[List[bool]] = None) -> List[Segment]:
-    """Splits a bucket into runs over which one fused kernel call is valid. `steps[i]` is slot i's
-    step count (it differs only when some parameters missed gradients in earlier steps); `has[i]`: whether its
-    parameter has a gradient (read from the parameters when not given). Usually one segment spans the whole
-    bucket."""
-    if has is None:
-        has = [s.param.grad is not None for s in b.slots]
-    out: List[Segment] = []
-    for i, s in enumerate(b.slots):
-        start = s.offset
-        stop = s.offset + s.numel
-        if out and out[-1].has_grad == has[i] and out[-1].step == steps[i]:
-            out[-1].stop = stop
-            out[-1].last = i
-        else:
-            if out:
-                # padding between parameters goes with the previous run
-                out[-1].stop = start
-            out.append(Segment(start, stop, has[i], steps[i], i, i))
-    if out:
-        out[0].start = 0
-        out[-1].stop = b.numel
-    return out
-
-
-def grads_present(b: Bucket) -> List[bool]:
-    """Per slot, whether its parameter has a gradient: within a step, as gather_grads found it (StepCache.has)."""
-    return b.cache.has if b.cache.has is not None else [s.param.grad is not None for s in b.slots]
-
-
-def step_segments(b: Bucket) -> List[Segment]:
-    """segments(b, b.count_keys) for this step's update, with the gradients gather_grads found. When every parameter
-    has one and the host counts are known all equal (nothing wrote them since they were found so: step_cache), the
-    one segment that spans the bucket, without reading the counts."""
-    c = b.cache
-    has = grads_present(b)
-    if b.classes is None and c.has is not None and c.all_have:
-        k = c.uniform_count(b.step_count)
-        if k is not None:
-            return [Segment(0, b.numel, True, k, 0, len(b.slots) - 1)]
-    out = segments(b, b.count_keys, has)
-    if b.classes is None and len(out) == 1 and out[0].has_grad:  # every count is out[0].step
-        c.note_counts(out[0].step)
-    return out
-
-
-def count_steps(b: Bucket) -> None:
-    """One optimizer step was taken for every parameter of `b` that has a gradient (grads_present)."""
-    has = grads_present(b)
-    b.template = False
-    if all(has):
-        k = b.cache.uniform_count(b.step_count)
-        b.step_count.add_(1)
-        b.cache.note_counts(None if k is None else k + 1)  # (a float32 count stays at 2^24: uniform_count says so)
-    else:
-        b.step_count.add_(torch.tensor(has, dtype=torch.float32))
-        b.cache.note_counts(None)
-
-
-def _classes_of(keys) -> List[int]:
-    ids = {}
-    return [ids.setdefault(k, len(ids)) for k in keys]
-
-
-def refine_classes(b: Bucket) -> None:
-    """After a step whose update the kernels may have skipped (found_inf, on the device): every slot with a
-    gradient (grads_present) was updated, or none was. So slots that agreed before and agree on having had a
-    gradient agree now."""
-    b.classes = _classes_of(zip(b.classes, grads_present(b)))
-    b.template = False
-
-
-def count_on_device(b: Bucket, state) -> None:
-    """From now on the kernels keep `b`'s step counts (on the bucket's device, read and advanced there)."""
-    if b.classes is not None:
-        return
-    b.classes = _classes_of(b.steps)  # the counts are still on the host here: no device sync
-    b.step_count = b.step_count.to(b.device)
-    b.published = [dict(v, step=b.step_count[i]) if v else v for i, v in enumerate(b.published)]
-    for s, views in zip(b.slots, b.published):
-        if views:
-            state[s.param]["step"] = views["step"]
-
-
-def spread_count(b: Bucket, seg: Segment) -> None:
-    """The kernel advanced the count of the segment's first slot: the others of the segment take it."""
-    if seg.last > seg.first:
-        b.step_count[seg.first + 1: seg.last + 1].copy_(b.step_count[seg.first])
 
 
 def find_bucket_of(buckets: List[Bucket]) -> Dict[int, tuple]:

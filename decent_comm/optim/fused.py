@@ -13,7 +13,7 @@ import torch
 
 from .. import ops
 from .base import DecentralizedMixin
-from .buckets import grads_present
+from .step_counts import grads_present
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,

@@ -10,7 +10,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .buckets import Bucket, adopt_storage, converted, segments
+from .buckets import Bucket, adopt_storage, converted
+from .step_counts import segments
 
 
 _is_sparse, _size, _data_ptr = operator.attrgetter("is_sparse"), torch.Tensor.size, torch.Tensor.data_ptr

@@ -29,10 +29,10 @@ from .. import ops
 from ..exchange import BoundedAllReduce, GossipExchange, ranks_text
 from ..topology import Adaptive
 from .adaptation import AdaptiveDriver
-from .buckets import check_unwritten, note_landed, written
 from .int8_wire import Int8Wire
 from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
+from .param_versions import check_unwritten, note_landed, written
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .teardown import remembers_failure

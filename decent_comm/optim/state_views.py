@@ -9,7 +9,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .buckets import Bucket, _classes_of, find_bucket_of
+from .buckets import Bucket, find_bucket_of
+from .step_counts import count_classes
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def write_state(buckets: List[Bucket], loaded: Loaded, state, layout: StateLayou
                 b.step_count[i] = 1.0
         b.template = False
         if b.classes is not None:  # the loaded counts decide which slots agree
-            b.classes = _classes_of(b.step_count.tolist())
+            b.classes = count_classes(b.step_count.tolist())
         publish_state(b, state)
         for param, foreign in foreign_of:
             state[param].update(foreign)

@@ -1,7 +1,7 @@
 """What a step may skip because a cheap test proves it unchanged since the last step (per bucket).
 
 A step checks every parameter's storage (buckets.adopt_storage) and .grad (grads.gather_grads), splits each bucket
-into runs by gradient presence and step count (buckets.segments) and counts the steps: Python work per parameter,
+into runs by gradient presence and step count (step_counts.segments) and counts the steps: Python work per parameter,
 which on models of many small tensors cost more than the update itself (2000 tensors of 16 elements: DAdamW's step
 took twice torch.optim.AdamW(fused)'s, gather_grads 80% of it). Between two steps of a training loop none of it
 changes, so each bucket keeps what the last full check found, keyed by values read with C loops (map over the

@@ -18,7 +18,8 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from .buckets import Bucket, _classes_of
+from .buckets import Bucket
+from .step_counts import count_classes
 from .state_views import StateLayout, load_state
 
 
@@ -143,7 +144,7 @@ class StateWatch:
             return True
         for b in self.counts_written(buckets):
             if b.classes is not None:
-                b.classes = _classes_of(b.step_count.tolist())
+                b.classes = count_classes(b.step_count.tolist())
         return False
 
 

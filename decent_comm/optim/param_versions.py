@@ -1,0 +1,50 @@
+"""The parameters' version counters, which tie the flat buckets to autograd and to the exchange.
+
+The kernels write parameters through their buckets' flat buffers, which autograd does not see (written), and the
+exchange sends those buffers without a copy, so a parameter written by user code while its bucket is on the wire
+would reach a neighbour half old, half new (note_in_flight / note_landed / check_unwritten).
+"""
+from typing import List
+
+from torch.autograd.graph import increment_version
+
+from .buckets import Bucket
+
+
+def written(buckets) -> None:
+    """The kernels wrote these buckets' parameters in place through the flat buffers, which autograd does not see
+    (each Parameter keeps its own version counter): bump the parameters' counters as an in-place op of torch
+    would, so a backward through a graph that saved them raises "modified by an inplace operation" (opt.step()
+    between a forward and its backward) instead of computing a gradient from values that are gone."""
+    increment_version([s.param for b in buckets for s in b.slots])
+
+
+def note_in_flight(buckets, sending) -> None:
+    """`sending`: the indices of the buckets whose flat buffers are on the wire now (sent without a copy): remember
+    their parameters' version counters, to tell a write by user code before the transfer completed
+    (check_unwritten). The others may be written."""
+    for b in buckets:
+        b.versions = _versions(b) if b.index in sending else None
+
+
+def _versions(b: Bucket) -> List[int]:
+    return [s.param._version for s in b.slots]
+
+
+def note_landed(buckets) -> None:
+    """The buckets' transfers completed: the parameters may be written again."""
+    for b in buckets:
+        b.versions = None
+
+
+def check_unwritten(buckets) -> None:
+    """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
+    bucket was still being sent: a neighbour may have received a buffer part before, part after the write."""
+    for b in buckets:
+        if b.versions is not None and _versions(b) != b.versions:
+            i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
+            raise RuntimeError(
+                f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
+                "in place between steps while this rank was still sending it (the exchange sends the parameters "
+                "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
+                "before writing parameters between steps.")
