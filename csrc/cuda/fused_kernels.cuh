@@ -108,11 +108,16 @@ __device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>
   using NT = typename NS::type;
   XT* const x = static_cast<XT*>(a.x);
   const Vec<XT, W> xv = load_vec<XT, W>(x + base);
+  // The mix rounds every product and every sum on its own (__fmul_rn / __fadd_rn, which nvcc never contracts into
+  // an FMA), as the CPU loops do (-ffp-contract=off): left to nvcc, the kernels with 1 or 2 neighbours fixed at
+  // compile time contracted x * self_weight + w * y one way and those with a run-time count (every 8-bit-wire
+  // kernel) another, so the fused wire op and decode-then-mix gave different bits for the same mix. The loads
+  // dominate this loop; the extra instruction per neighbour costs nothing measurable.
   float x_old[W], mixed[W];
 #pragma unroll
   for (int e = 0; e < W; ++e) {
     x_old[e] = XS::load(xv.v[e]);
-    mixed[e] = a.self_weight * x_old[e];
+    mixed[e] = __fmul_rn(a.self_weight, x_old[e]);
   }
   const int k = K >= 0 ? K : a.num_neighbors;
 #pragma unroll 4
@@ -123,7 +128,7 @@ __device__ __forceinline__ float process(const KernelArgs& a, const Hyper<float>
     }
     const float w = a.weights[j];
 #pragma unroll
-    for (int e = 0; e < W; ++e) mixed[e] += w * NS::load(yv.v[e]);
+    for (int e = 0; e < W; ++e) mixed[e] = __fadd_rn(mixed[e], __fmul_rn(w, NS::load(yv.v[e])));
   }
   float sq = 0.f;
   if (a.disagreement != nullptr) {
