@@ -75,7 +75,8 @@ bounded 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 120 tests/tes
   tests/test_optim_amp.py tests/test_build_info.py -k "$TEST_FILTER" \
   --junitxml "$W/gpu_tests_ops.xml" > "$W/gpu_tests_ops.log" 2>&1
 tail -4 "$W/gpu_tests_ops.log"
-bounded 150 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 60 tests/test_exchange_nccl.py \
+# --timeout above the spawned groups' own limit (SUITE_S in the file), which the first test of a group waits for.
+bounded 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 110 tests/test_exchange_nccl.py \
   --junitxml "$W/gpu_tests_nccl.xml" > "$W/gpu_tests_nccl.log" 2>&1
 grep -E "^(FAILED|ERROR|SKIPPED)" "$W/gpu_tests_nccl.log" | cut -c1-220
 tail -1 "$W/gpu_tests_nccl.log"

@@ -4,8 +4,10 @@
 
 Prints each op's GB/s and % of the device's copy bandwidth at 16M and 64M elements (fp32 and bf16 neighbours),
 mix_adam_ against torch.optim.AdamW(fused=True) + the same mix, the NCCL transport's self-exchange GB/s, and the
-test counts. Exits 1 when a test failed or errored, when a one-GPU NCCL transport test was skipped (on the GPU
-machine it must run: a skipped one means NCCL never moved a byte), or when a benchmark is missing.
+test counts. The verdict is the tests': exits 1 when a test failed or errored, or when a one-GPU NCCL transport
+test was skipped (on the GPU machine it must run: a skipped one means NCCL never moved a byte). A missing benchmark
+(cut by the check's deadline after a slow build, or failed: gpu_check.sh prints its log's tail) is named on the
+verdict line but does not turn passing tests into a FAIL.
 """
 import argparse
 import json
@@ -68,7 +70,6 @@ def main():
     ap.add_argument("--sizes", default="16M,64M", help="the kernel benchmark's sizes to show")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
-    ok = True
     mix, exchange = load(args.mix), load(args.exchange)
     copy = exchange["copy_gbps"] if exchange else None
     device = exchange["device"] if exchange else "?"
@@ -93,11 +94,14 @@ def main():
                        if name in ("op_chain", "foreach", "cupy", "adamw+mix"))
         return [r["op"], elements(r["n"]), str(r["k"]), r["nb_dtype"], f"{r['gbps']:.0f}", pct(r["gbps"]), vs]
 
-    ok &= table("kernel benchmark", ["op", "elements", "k", "neighbours", "GB/s", "% copy", "speedup vs"],
-                None if mix is None else [mix_row(r) for r in mix["rows"] if r["n"] in sizes])
-    ok &= table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy"],
-                None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
-                                                pct(r["gbps"])] for r in exchange["rows"]])
+    missing = []
+    if not table("kernel benchmark", ["op", "elements", "k", "neighbours", "GB/s", "% copy", "speedup vs"],
+                 None if mix is None else [mix_row(r) for r in mix["rows"] if r["n"] in sizes]):
+        missing.append("kernel")
+    if not table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy"],
+                 None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
+                                                 pct(r["gbps"])] for r in exchange["rows"]]):
+        missing.append("NCCL self-exchange")
     counts, reasons = test_counts(args.junit)
     for reason in reasons:
         print(f"  {reason}")
@@ -107,8 +111,9 @@ def main():
     if two_rank:  # a PASS must not read as more than it is
         print(f"not verified here: {two_rank} two-rank NCCL test(s) skipped (one GPU and NCCL < 2.30), so the "
               "optimizers over NCCL between ranks did not run; only the one-rank loopback transport did")
-    ok = ok and counts["failed"] == 0 and counts["must_run_skipped"] == 0
-    print("gpu_check: PASS" if ok else "gpu_check: FAIL")
+    ok = counts["failed"] == 0 and counts["must_run_skipped"] == 0
+    unmeasured = f" (benchmark missing: {', '.join(missing)})" if missing else ""
+    print(("gpu_check: PASS" if ok else "gpu_check: FAIL") + unmeasured)
     return 0 if ok else 1
 
 

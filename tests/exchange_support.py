@@ -146,10 +146,12 @@ class Suite:
             try:
                 self.results[world_size] = run_ranks(run_suite, world_size, self.scenarios[world_size],
                                                      timeout=self.timeout)
-            except Exception as exc:  # noqa: BLE001 - every test of this suite reports it, none reruns it
+            except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - every test of this suite reports
+                # it, none reruns it. pytest.fail.Exception: pytest-timeout's per-test limit (a BaseException) cut the
+                # first test while it ran the whole suite; uncached, every later test ran the suite again.
                 self.results[world_size] = exc
         results = self.results[world_size]
-        if isinstance(results, Exception):
+        if isinstance(results, BaseException):
             pytest.fail(f"the world-size-{world_size} suite failed: {results}")
         values = []
         for rank, out in enumerate(results):
