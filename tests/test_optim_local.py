@@ -346,3 +346,27 @@ def test_a_compiled_model_compiles_once_as_with_torch_optimizers_when_model_is_g
         graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     assert graphs[1] == 1
     assert graphs[0] == (1 if give_model else 2), graphs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["DAdamW", "Decentralized(AdamW)"])
+def test_a_step_under_cuda_graph_capture_is_refused(device, name, monkeypatch):
+    """As torch's optimizers without capturable=True: the step reads its counts and schedule on the host, so a
+    captured step would replay the captured step's bias correction and gossip round for ever. On CPU the capture is
+    simulated (a bucket device and a capturing stream, patched)."""
+    ours, _, hp = PAIRS[name]
+    model = make_model(device)
+    opt = ours(model.parameters(), **hp)
+    model(torch.randn(4, 5, device=device)).sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    if device == "cpu":
+        monkeypatch.setattr(opt._schedule, "device", torch.device("cuda"))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match=r"step\(\) during CUDA graph capture"):
+            opt.step()
+    else:
+        with pytest.raises(RuntimeError, match=r"step\(\) during CUDA graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

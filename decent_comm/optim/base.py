@@ -196,6 +196,10 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._schedule.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # as torch.optim does
+            raise RuntimeError(f"decent_comm: {type(self).__name__}.step() during CUDA graph capture: the step keeps "
+                               "its counts and its gossip schedule on the host, which a replay would not advance. "
+                               "Capture the forward and backward only (or the fused ops, decent_comm.ops).")
         if self._watching_forwards:  # a wrap made before the optimizer would have shown in a forward by now
             self._ddp_guard.remove()
             self._watching_forwards = False
