@@ -140,6 +140,11 @@ class BoundedAllReduce:
         """The ranks that marked `what` ([] when none did, or the store cannot tell)."""
         return self._roster.flagged(what, range(self.world_size))
 
+    def report(self, text: str):
+        """Leaves `text`, an error this rank is about to raise of its own, for the other ranks: one whose all-reduce
+        then fails names it (exchange.roster's ``report``, ``blame``) instead of taking this rank for dead."""
+        self._roster.report(text)
+
     def _check_usable(self, what: str):
         if self._closed:
             raise RuntimeError(f"decent_comm: {what}: the {self.owner} was shut down (shutdown() released its "

@@ -71,13 +71,15 @@ def _check_max_ctas(nccl_max_ctas):
         raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
 
 
-def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int):
+def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int) -> Optional[str]:
     """Raises on every rank of `group` if any rank refused its arguments (`problem`): construction is all or
     nothing, so no rank keeps an exchanger (or has used up a tag channel) that another rank lacks. The ranks
-    first meet within the timeout (ms; <= 0: the group's own), or all raise ExchangeTimeout naming the absent."""
+    first meet within the timeout (ms; <= 0: the group's own), or all raise ExchangeTimeout naming the absent.
+    Returns the construction's store namespace (wait_for_ranks; None on one rank)."""
     world_size = dist.get_world_size(group)
+    namespace = None
     if world_size > 1:
-        wait_for_ranks(group, timeout_ms / 1000.0 if timeout_ms > 0 else None, "creating an Exchanger")
+        namespace = wait_for_ranks(group, timeout_ms / 1000.0 if timeout_ms > 0 else None, "creating an Exchanger")
         verdicts = [None] * world_size
         dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
                                group=group)
@@ -89,6 +91,7 @@ def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int):
             rank, text = refused[0]
             raise ValueError(f"Exchanger: rank {rank} of the group refused its arguments, so no rank creates this "
                              f"exchanger: {text}")
+    return namespace
 
 
 def _resolve_device(device, group) -> torch.device:
@@ -153,11 +156,12 @@ class Exchanger(_C._Exchanger):
                 transport = _C._process_group_transport(group, device)
         except (ValueError, TypeError, RuntimeError) as exc:
             problem = exc
-        _agree_on_arguments(group, problem, timeout_ms)
+        namespace = _agree_on_arguments(group, problem, timeout_ms)
         if use_nccl:  # collective itself, so only once every rank is known to get here
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
         super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)
         self.process_group = group
+        self._store_namespace = namespace  # this construction's keys (GossipExchange's roster), the same on all ranks
         _closing.track(self)  # closed when collected or at exit if nobody shut it down (see _closing)
         self._tracked = True
 

@@ -8,6 +8,10 @@
 ``groups`` lists every averaging group any rank will use (the same list on every rank); none: no group
 all-reduce is set up. Construction is collective (the Exchanger over the group, the groups over the default
 group), in this order on every rank.
+
+``report(text)``: an error this rank is about to raise of its own (e.g. its owner found non-finite values): a rank
+whose transfer or all-reduce then fails because this one stopped names that error (exchange.roster) instead of
+taking this rank for dead. The point-to-point errors come from the C++ transport, so their words are added here.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from .arrival import in_global_ranks
 from .exchanger import ExchangeError, Exchanger
 from .group_allreduce import GroupAllReduce
+from .roster import Roster
 
 
 class GossipExchange:
@@ -28,6 +33,8 @@ class GossipExchange:
         self._group = process_group
         with self._named():
             self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
+            self._roster = Roster(self.p2p._store_namespace, self.p2p.rank) \
+                if self.p2p._store_namespace is not None else None
             groups = list(groups)
             self.group_allreduce: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
                                                      if groups else None)
@@ -37,11 +44,16 @@ class GossipExchange:
         self.error: Optional[ExchangeError] = None
 
     @contextlib.contextmanager
-    def _named(self):
-        """Errors name the ranks of the process group; on a subgroup they also say which global ranks those are."""
+    def _named(self, path=None):
+        """Errors name the ranks of the process group; on a subgroup they also say which global ranks those are.
+        A failed point-to-point transfer (`path` the Exchanger) also names the errors other ranks reported (the
+        group all-reduce's own errors do: roster.blame)."""
         try:
             yield
         except (ExchangeError, ValueError) as e:
+            if path is self.p2p and isinstance(e, ExchangeError) and self._roster is not None and \
+                    len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (e.args[0] + self._roster.told(range(self.p2p.world_size)),)
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -59,27 +71,34 @@ class GossipExchange:
                 self.group_allreduce.exchange(bucket, send, recvs, group)
             self._route[bucket] = self.group_allreduce
         else:
-            with self._named():
+            with self._named(self.p2p):
                 self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
             self._route[bucket] = self.p2p
 
     def wait(self, bucket: int):
-        path = self._route.get(bucket)
-        with self._named():
-            (path or self.p2p).wait(bucket)  # an unknown bucket: the Exchanger's error names it
+        path = self._route.get(bucket) or self.p2p
+        with self._named(path):
+            path.wait(bucket)  # an unknown bucket: the Exchanger's error names it
 
     def _paths(self):
         return [self.p2p] + ([self.group_allreduce] if self.group_allreduce is not None else [])
 
     def wait_all(self):
-        with self._named():
-            for path in self._paths():
+        for path in self._paths():
+            with self._named(path):
                 path.wait_all()
 
     def synchronize(self):
-        with self._named():
-            for path in self._paths():
+        for path in self._paths():
+            with self._named(path):
                 path.synchronize()
+
+    def report(self, text: str):
+        """Leaves `text`, an error this rank is about to raise of its own, for the other ranks (see above)."""
+        if self._roster is not None:
+            self._roster.report(text)
+        if self.group_allreduce is not None:
+            self.group_allreduce.report(text)
 
     def check_group(self, what: str):
         """RuntimeError when the process group was destroyed (dist.destroy_process_group()) while this exchange,

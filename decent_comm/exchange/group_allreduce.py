@@ -155,6 +155,11 @@ class GroupAllReduce:
         """The members of `group` that flagged non-finite values of `bucket` at `step`: the sum cannot tell."""
         return self._roster.flagged(f"nonfinite/{bucket}/{step}", group)
 
+    def report(self, text: str):
+        """Leaves `text`, an error this rank is about to raise of its own, for the other members: one whose
+        all-reduce then fails names it (exchange.roster's ``report``, ``blame``) instead of a dead member."""
+        self._roster.report(text)
+
     def wait(self, bucket: int):
         """Until the bucket's sum is in recvs[0]: blocks (NCCL: orders the current stream after it, no host sync);
         a no-op once that happened (wait_all, synchronize)."""

@@ -1,12 +1,14 @@
 """What ranks tell each other through the default group's store, beside their collectives: a bucket's size and
 dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), once a collective failed, which
 members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name the
-rank that is dead or stuck and not only the group, and which member sent non-finite values into a sum
-(``flag``/``flagged``, for check_finite), which the sum itself cannot tell.
+rank that is dead or stuck and not only the group, which member sent non-finite values into a sum
+(``flag``/``flagged``, for check_finite), which the sum itself cannot tell, and the error a member raised of its own
+(``report``/``reports``: its owner's words, e.g. check_finite's), so that a member whose collective or transfer then
+fails because that one stopped names that error, not a dead peer (``blame``, ``told``).
 
-Both go through the store rather than the groups: a header all-gathered on a group could meet another member's
-data all-reduce (gloo then aborts the process), and a failed group carries nothing any more. Keys live under the
-namespace of the owner's construction (exchange.arrival), the same on every rank.
+All of it goes through the store rather than the groups: a header all-gathered on a group could meet another
+member's data all-reduce (gloo then aborts the process), and a failed group carries nothing any more. Keys live under
+the namespace of the owner's construction (exchange.arrival), the same on every rank.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class Roster:
                 return ExchangeTimeout(
                     f"{where} timed out after {seconds * 1e3:.0f} ms in the size/dtype agreement of the all-reduce "
                     f"among ranks {list(g)}: {ranks_text(missing)} did not reach it (a member died, is stuck, or "
-                    "runs another schedule); nothing was sent")
+                    f"runs another schedule){self.told(g)}; nothing was sent")
             sides = {r: v.decode() for r, v in sides.items()}
         except dist.DistError as e:  # the store itself failed
             return ExchangeError(f"{where}: the size/dtype agreement of the all-reduce among ranks {list(g)} failed: "
@@ -74,20 +76,59 @@ class Roster:
 
     def blame(self, g: Sequence[int]) -> str:
         """Reports this rank's failure and waits up to BLAME_GRACE_S for the other members of `g` to report theirs.
-        Returns the words naming those that did not ("" when all did, or the store cannot tell)."""
+        Returns the words naming the members that raised an error of their own (``report``: the likely cause, not
+        waited for) and those that did not report ("" when all did, or the store cannot tell)."""
         store = self._store()
-        others = [r for r in g if r != self.rank]
+        reported = self.reports(g)
+        others = [r for r in g if r != self.rank and r not in reported]
+        absent = []
         try:
             store.set(f"{self.namespace}/failed/{self.rank}", "1")
-            try:
-                store.wait([f"{self.namespace}/failed/{r}" for r in others], datetime.timedelta(seconds=BLAME_GRACE_S))
-                return ""
-            except dist.DistStoreError:
-                absent = [r for r in others if not store.check([f"{self.namespace}/failed/{r}"])]
+            if others:
+                try:
+                    store.wait([f"{self.namespace}/failed/{r}" for r in others],
+                               datetime.timedelta(seconds=BLAME_GRACE_S))
+                except dist.DistStoreError:
+                    absent = [r for r in others if not store.check([f"{self.namespace}/failed/{r}"])]
         except dist.DistError:
+            pass
+        return self._told(reported) + (
+            f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
+            "likely cause: it died, is stuck, or runs another schedule)" if absent else "")
+
+    def report(self, text: str):
+        """Leaves `text`, an error this rank is about to raise of its own (its owner's words), where the other
+        members look once a collective or transfer with this rank fails (``blame``, ``told``): their error then
+        names it instead of taking this rank for dead. On the failure path only (a few store calls)."""
+        try:
+            store = self._store()
+            store.set(f"{self.namespace}/report/{self.rank}", text)
+            store.add(f"{self.namespace}/reports", 1)  # one look tells a reader whether any member reported
+        except dist.DistError:  # the store is gone: the others' errors then name the peer only
+            pass
+
+    def reports(self, g: Sequence[int]) -> Dict[int, str]:
+        """The errors the other members of `g` reported ({} when none did, or the store cannot tell)."""
+        try:
+            store = self._store()
+            if store.add(f"{self.namespace}/reports", 0) == 0:
+                return {}
+            keys = {r: f"{self.namespace}/report/{r}" for r in g if r != self.rank}
+            return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        except dist.DistError:
+            return {}
+
+    def told(self, g: Sequence[int]) -> str:
+        """The words naming the errors the other members of `g` reported ("" when none did)."""
+        return self._told(self.reports(g))
+
+    @staticmethod
+    def _told(reported: Dict[int, str]) -> str:
+        if not reported:
             return ""
-        return (f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
-                "likely cause: it died, is stuck, or runs another schedule)") if absent else ""
+        one = len(reported) == 1
+        return (f"; {ranks_text(sorted(reported))} raised an error of {'its' if one else 'their'} own before (the "
+                "likely cause): " + "; ".join(f"rank {r}: {text}" for r, text in sorted(reported.items())))
 
     def flag(self, what: str):
         """Marks `what` (e.g. "nonfinite/<bucket>/<step>") as true of this rank. Called before the collective it
