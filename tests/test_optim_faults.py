@@ -1,6 +1,6 @@
 """Late, silent, dead or non-finite ranks are a clear error naming the rank, on every rank and within the timeout:
-collective utilities with a late rank or ranks out of step, check_finite, a silent peer on the group all-reduce, and a
-rank dying during the construction's check."""
+collective utilities with a late rank or ranks out of step, check_finite (on the ranks that never received the
+values too), a silent peer on the group all-reduce, and a rank dying during the construction's check."""
 
 import logging
 import time
@@ -164,6 +164,50 @@ def test_check_finite_culprit_that_exits_at_once_is_still_named(topology):
     culprit = "from rank 1" if topology == "ring" else "(rank 1 sent non-finite"
     for r in (0, 2):
         assert "non-finite" in res[r]["msg"] and culprit in res[r]["msg"], (r, res[r])
+
+
+def _nan_that_a_rank_never_receives(rank, n, case):
+    """one-peer-exp on 3 ranks: rank 2's parameters turn non-finite after step `nan_step`, and a rank that is not
+    its neighbour then (rank 1; ranks 0 and 1 on a local step: nothing is sent) meets only rank 2's exit, in its next
+    collective (synchronize()'s announcement) or its next transfer (step())."""
+    options, steps, nan_step, then_sync = {
+        "synchronize": (dict(warmup_steps=2), 5, 3, True), "step": (dict(warmup_steps=2), 9, 3, False),
+        "atc": (dict(mode="atc"), 9, 3, False), "gossip_every": (dict(gossip_every=2), 12, 4, False)}[case]
+    model = make_model(0)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.05, topology="one-peer-exp", check_finite=True, timeout=10,
+                           **options)
+    start = time.monotonic()
+    try:
+        for t in range(steps):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            (loss * float("nan") if rank == 2 and t == nan_step else loss).backward()
+            opt.step()
+        if then_sync:
+            opt.synchronize()
+    except RuntimeError as exc:
+        return dict(kind=type(exc).__name__, msg=str(exc), elapsed=time.monotonic() - start)
+    return dict(kind=None, msg="no error", elapsed=time.monotonic() - start)
+
+
+@pytest.mark.parametrize("case", ["synchronize", "step", "atc", "gossip_every"])
+def test_check_finite_error_is_named_by_the_ranks_that_never_received_the_values(case):
+    """A rank that received nothing non-finite got "ranks [0, 2] did not report this failure ... (the likely cause:
+    it died, is stuck, ...)" or gloo's "Connection closed by peer": the ranks that raise leave their error in the
+    store first (roster.report), and the others' failed collective or transfer names it."""
+    res = run_ranks(_nan_that_a_rank_never_receives, 3, case, timeout=120)
+    own = "rank 2: the parameters of bucket(s) [0] are not finite after optimizer step"
+    assert res[2]["kind"] == "RuntimeError" and own in res[2]["msg"], res[2]
+    bystanders = [r for r in (0, 1) if res[r]["kind"] != "RuntimeError"]
+    assert bystanders, res  # a rank that met only the exit (ExchangeError), which this test is about
+    for r in (0, 1):
+        m = res[r]["msg"]
+        if r in bystanders:  # rank 2's own error, relayed (beside rank 0's when it received the values)
+            assert own in m and "own before (the likely cause)" in m, (r, res[r])
+        else:
+            assert "received non-finite values from rank 2 (check_finite=True)" in m, (r, res[r])
+        assert "did not report this failure" not in m and res[r]["elapsed"] < 10, (r, res[r])
 
 
 def _silent_group_peer(rank, n):

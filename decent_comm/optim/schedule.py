@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..exchange import BoundedAllReduce, GossipExchange, ranks_text
+from ..exchange import BoundedAllReduce, GossipExchange
 from ..topology import Adaptive
+from . import finite_check
 from .adaptation import AdaptiveDriver
 from .int8_wire import Int8Wire
 from .meter import DisagreementMeter
@@ -158,10 +159,7 @@ class GossipSchedule(ScheduleCheckpoint):
         """Starts the exchange of every bucket's current flat buffer (or its copy, delayed_mix) for `plan` (same
         order on all ranks). `made_by`: the optimizer step whose update produced the buffers (for check_finite's
         message)."""
-        bad = [b.index for b in self.buckets if not torch.isfinite(b.flat).all()] if self.check_finite else []
-        if bad and plan.group is not None and self.exchange is not None and not plan.silent:
-            for i in bad:  # a group's sum cannot say who sent what: say it beside it, before sending
-                self.exchange.group_allreduce.flag_nonfinite(i, plan.step)
+        bad = finite_check.before_sending(self, plan) if self.check_finite else []
         self._wire_restored = False
         if self.exchange is not None and not plan.silent:
             for b in self.buckets:
@@ -173,24 +171,7 @@ class GossipSchedule(ScheduleCheckpoint):
                     self.exchange.exchange(b.index, send, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
         if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
-            self._complete_before_raising(plan)
-            when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
-            when += self.warmup.culprits(made_by) if self.warmup else ""
-            raise RuntimeError(f"decent_comm: rank {self.rank}: the parameters of bucket(s) {bad} are not finite "
-                               f"{when} (check_finite=True; steps count from 0)")
-
-    def _complete_before_raising(self, plan: MixPlan):
-        """check_finite found this rank's buffers non-finite: lets the exchange just posted finish first. The
-        process usually ends with the error, and an exit with the transfer in flight fails it on the peers'
-        side ("the all-reduce among ranks [...] failed"), so they could not see the values, nor in a group the
-        flag naming this rank. Every rank posted the same exchange, so this takes about one exchange; if it
-        fails (a peer is gone too), the peers' own errors say so and this rank's error stays the one raised."""
-        if self.exchange is None or plan.silent:
-            return
-        try:
-            self.exchange.wait_all()
-        except Exception as e:  # noqa: BLE001 - the non-finite values are this rank's error to report
-            log.warning("decent_comm: rank %d: the exchange of non-finite values did not complete: %s", self.rank, e)
+            finite_check.raise_sent(self, plan, bad, made_by)
 
     @traced("exchange_wait")
     def mix_inputs(self, b, plan: MixPlan, fuse: bool = True) -> MixInputs:
@@ -207,26 +188,12 @@ class GossipSchedule(ScheduleCheckpoint):
             mix = MixInputs(bufs + [self.buffers.copy_of(b, plan)]) if self.int8_wire is None else \
                 self.int8_wire.inputs(b, plan, bufs, fuse and not self.check_finite)
         if self.check_finite:
-            for k, y in enumerate(mix.neighbors[:plan.num_buffers]):
-                if not torch.isfinite(y).all():
-                    who = f"rank {plan.recv[k]}" if plan.group is None else self._nonfinite_in_group(b, plan)
-                    raise RuntimeError(f"decent_comm: rank {self.rank}: step {plan.step}: bucket {b.index} received "
-                                       f"non-finite values from {who} (check_finite=True)")
+            finite_check.check_received(self, b, plan, mix.neighbors)
         return mix
 
     def decoded_inputs(self, b, plan: MixPlan) -> List[torch.Tensor]:
         """mix_inputs with the int8 payloads added to their copies here, not in a kernel: the buffers to mix."""
         return self.mix_inputs(b, plan, fuse=False).neighbors
-
-    def _nonfinite_in_group(self, b, plan: MixPlan) -> str:
-        # The members that flagged their own values in launch(); none did when the sum itself overflowed. This
-        # rank's own part was finite (launch() raised otherwise), so the culprit is one of the others.
-        senders = self.exchange.group_allreduce.nonfinite_senders(b.index, plan.step, plan.group)
-        others = [r for r in plan.group if r != self.rank]
-        return f"the all-reduce among ranks {list(plan.group)} (" + (
-            f"{ranks_text(senders)} sent non-finite values)" if senders else
-            f"this rank sent finite values and none of ranks {others} flagged any: the sum itself likely "
-            "overflowed)")
 
     def awc_plan(self) -> MixPlan:
         """The plan of step t, whose exchange was launched at the end of step t - 1 (launched now if not).
