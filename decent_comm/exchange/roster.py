@@ -90,6 +90,10 @@ class Roster:
                                datetime.timedelta(seconds=BLAME_GRACE_S))
                 except dist.DistStoreError:
                     absent = [r for r in others if not store.check([f"{self.namespace}/failed/{r}"])]
+            if absent:  # one may have reported its own error while this rank waited (it raises that, not this)
+                late = self.reports(absent)
+                reported.update(late)
+                absent = [r for r in absent if r not in late]
         except dist.DistError:
             pass
         return self._told(reported) + (
