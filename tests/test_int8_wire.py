@@ -157,17 +157,22 @@ def test_both_ends_of_every_edge_hold_the_same_copy(mode, delayed):
     assert sent == rounds * W8.payload_nbytes(numel), (sent, rounds, numel)
 
 
-def _resume(rank, n, mode, delayed):
+def _resume(rank, n, mode, cadence, stop):
     def build(model):
         return decent_comm.DSGD(model.parameters(), lr=0.05, momentum=0.9, topology="one-peer-exp", mode=mode,
-                                model=model, comm_dtype=torch.int8, delayed_mix=delayed,
-                                gossip_every=2 if delayed else 1, timeout=30)
-    return resumed_vs_straight(rank, build, 10, 5)[0]
+                                model=model, comm_dtype=torch.int8, timeout=30, **cadence)
+    return resumed_vs_straight(rank, build, 10, stop)[0]
 
 
-@pytest.mark.parametrize("mode,delayed", [("awc", False), ("atc", False), ("awc", True)])
-def test_resume_is_exact(mode, delayed):
-    assert max(run_ranks(_resume, 4, mode, delayed, timeout=120)) == 0.0
+@pytest.mark.parametrize("mode, cadence, stop", [
+    ("awc", {}, 5), ("atc", {}, 5), ("awc", dict(delayed_mix=True, gossip_every=2), 5),
+    # one-peer-exp on 4 ranks alternates its 2 peers by round: at these checkpoints the round in flight (round 3 of
+    # step 6; round 4 of step 5) and its step pick different peers: the restored round is planned by its round index
+    ("awc", dict(gossip_every=2), 6), ("awc", dict(delayed_mix=True, gossip_every=2), 8),
+    ("awc", dict(warmup_steps=1), 5),
+], ids=["awc", "atc", "awc-delayed", "awc-every2-round-3", "awc-delayed-round-3", "awc-warmup1-round-3"])
+def test_resume_is_exact(mode, cadence, stop):
+    assert max(run_ranks(_resume, 4, mode, cadence, stop, timeout=120)) == 0.0
 
 
 def _rank0_state_on_every_rank(rank, n, wire):
