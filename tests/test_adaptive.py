@@ -109,6 +109,39 @@ def test_fused_disagreement_matches_float64_reference():
             assert err < 1e-4, f"rank {rank}, {key}: disagreement deviates from the float64 reference by {err:.2e}"
 
 
+def _disagreement_of_split_buckets(rank, n):
+    """One bucket of 3 parameters, the middle one never given a gradient: the fused call runs per segment (update,
+    plain mix, update), each writing its own slot. Returns (reported, reference) per step."""
+    topo = T.make("one-peer-exp", n)
+    torch.manual_seed(rank)
+    a, unused, c = (torch.nn.Parameter(torch.randn(k)) for k in (5, 7, 3))
+    opt = decent_comm.DAdamW([a, unused, c], lr=0.05, topology=topo, broadcast_init=False, track_disagreement=True,
+                             timeout=30)
+    assert len(opt._buckets) == 1
+    out = []
+    for t in range(4):
+        x = torch.cat([a.detach(), unused.detach(), c.detach()]).double()
+        xs = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(xs, x)
+        W = torch.from_numpy(topo.matrix(t))
+        mixed = sum(W[rank, j] * xs[j] for j in range(n))  # awc: step t mixes x^t
+        opt.zero_grad()
+        (a.square().sum() + c.sin().sum()).backward()
+        opt.step()
+        out.append((opt.last_disagreement, float(opt.disagreement(per_bucket=True)[0]),
+                    float((mixed - x).square().sum())))
+    opt.shutdown()
+    return out
+
+
+def test_disagreement_sums_every_segment_of_a_bucket():
+    for rank, steps in enumerate(run_ranks(_disagreement_of_split_buckets, 3, timeout=120)):
+        for t, (total, bucket, want) in enumerate(steps):
+            assert want > 0
+            for got in (total, bucket):
+                assert abs(got - want) <= 1e-5 * want, (rank, t, got, want)
+
+
 # -------------------------------------------------------------------------------------- replica variance
 
 def _replica_variance(rank, n):
