@@ -94,3 +94,43 @@ def test_replicas_agree_to_half_a_wire_step_and_keep_their_mean():
     assert (mean - x0_mean).abs().max().item() < 1e-6
     spread = max((x - mean).abs().max().item() for x in xs)
     assert spread <= 2 ** -8, spread
+
+
+FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: f"params-{str(d)[6:]}")
+@pytest.mark.parametrize("wire", FLOATS, ids=lambda d: f"wire-{str(d)[6:]}")
+def test_a_wire_rounds_when_a_value_of_the_parameters_dtype_does_not_survive_it(dtype, wire):
+    """The reference: the casts themselves, on the dtype's largest value and on 1 + its eps (bf16 parameters over
+    an fp16 wire: finer, but 65504 at most)."""
+    from decent_comm.optim.wire_buffers import wire_rounds
+    info = torch.finfo(dtype)
+    probes = torch.tensor([info.max, 1 + info.eps], dtype=dtype)
+    want = not torch.equal(probes.to(wire).to(dtype), probes)
+    assert wire_rounds(dtype, wire) == want
+
+
+def _bf16_over_fp16_group_steps(rank, n):
+    model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0 + rank)
+        model.weight[0, 0] = 1e5  # bf16 holds it (99840); fp16 does not (65504 at most)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.0, topology="ring", comm_dtype=torch.float16,
+                           broadcast_init=False, timeout=30)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    opt.synchronize()
+    opt.shutdown()
+    return model.weight.detach().double()
+
+
+def test_bf16_parameters_over_an_fp16_wire_sum_group_steps_in_bf16():
+    """A ring of 3 runs as a group all-reduce: summed in fp16, a weight of 1e5 became inf."""
+    weights = run_ranks(_bf16_over_fp16_group_steps, 3, timeout=120)
+    mean = sum(torch.full((2, 4), 1.0 + r, dtype=torch.float64) for r in range(3)) / 3
+    mean[0, 0] = torch.tensor(1e5, dtype=torch.bfloat16).double()
+    for r, w in enumerate(weights):
+        assert torch.equal(w, mean), (r, w)
