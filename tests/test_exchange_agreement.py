@@ -1,7 +1,8 @@
 """The exchange scheduler's agreement between peers, on real multi-process gloo groups: ranks that disagree on
 a bucket's size, dtype or schedule both raise ExchangeError naming the bucket, the peer and both sides
 (before, gloo aborted the receiving process, or fp16 met bf16 silently); agreed edges skip the handshake; a
-size changed on one rank only times out on both without a crash; a construction refused on one rank raises
+size changed on one rank only times out on both without a crash; GroupAllReduce's members that disagree on the
+dtype alone (fp16 / bf16) both raise, naming both sides; a construction refused on one rank raises
 on every rank and leaves the next exchanger in sync; 33 exchangers on one group keep their messages apart.
 """
 import time
@@ -104,6 +105,39 @@ def test_peers_that_disagree_on_a_bucket_both_raise_naming_bucket_peer_and_both_
             assert r["later"][0] == "ExchangeError" and "unusable" in r["later"][1], (rank, case, r)
 
 
+def _group_allreduce(rank, world_size):
+    """The group all-reduce's own agreement (through the store): fp16 on one rank, bf16 on the other, sizes and
+    element sizes equal, so only the dtype tells them apart (gloo would sum the bytes as they come). Then, agreed,
+    one sum and the bytes it sent."""
+    from decent_comm.exchange import GroupAllReduce
+    out = {}
+    ga = GroupAllReduce([[0, 1]], timeout=20)
+    dtype = torch.float16 if rank == 0 else torch.bfloat16
+    x = torch.ones(64, dtype=dtype)
+    out["fp16 vs bf16"] = _errors(lambda: (ga.exchange(3, x, [torch.empty_like(x)], [0, 1]), ga.wait(3)))
+    ga.shutdown()
+    ga = GroupAllReduce([[0, 1]], timeout=20)
+    total = torch.empty(1000)
+    ga.exchange(3, payload(rank, 0, 3, 1000), [total], [0, 1])
+    ga.wait(3)
+    out["sum"] = torch.equal(total, payload(0, 0, 3, 1000) + payload(1, 0, 3, 1000))
+    out["bytes_sent"] = ga.bytes_sent
+    ga.shutdown()
+    return out
+
+
+def test_group_allreduce_members_that_disagree_on_the_dtype_both_raise_and_agreed_ones_sum():
+    for rank, out in enumerate(SUITE.part(2, "group all-reduce")):
+        kind, msg = out["fp16 vs bf16"]
+        assert kind == "ExchangeError", (rank, kind, msg)
+        for text in ["bucket 3", "rank 0", "rank 1", "64 elements of torch.float16", "64 elements of torch.bfloat16",
+                     "nothing was sent"]:
+            assert text in msg, (rank, text, msg)
+        assert out["sum"] is True, rank
+        # an all-reduce among |G| ranks sends 2 (|G| - 1) / |G| buffers per rank: 1 buffer of 4000 bytes for 2
+        assert out["bytes_sent"] == 2 * (2 - 1) * 1000 * 4 // 2, (rank, out["bytes_sent"])
+
+
 def _agreement(rank, world_size):
     """Handshakes happen where an edge is new, not in the steady state: one-peer-exp on 4 ranks meets each
     bucket's peers within 2 steps, after which 10 more steps add none; a size change on every rank renegotiates
@@ -188,6 +222,6 @@ def test_many_exchangers_on_one_group_never_share_messages():
 # One spawned group per world size; the scenario that leaves its group damaged (timeouts) runs last.
 SUITE = Suite({
     2: [("construction", _construction, ()), ("mismatches", _mismatches, ()), ("many exchangers", _many_exchangers, ()),
-        ("asymmetric", _asymmetric_change, ())],
+        ("group all-reduce", _group_allreduce, ()), ("asymmetric", _asymmetric_change, ())],
     4: [("agreement", _agreement, ())],
 })
