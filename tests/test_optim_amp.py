@@ -218,3 +218,20 @@ def test_a_rank_whose_optimizer_has_no_gradient_under_grad_scaler_takes_the_warm
     for got in run_ranks(_expert_without_tokens_on_one_rank, 3, timeout=120):
         for a, b in zip(got, params):
             torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", [float("nan"), 1.0, 0.0], ids=["nan", "inf-found", "finite"])
+def test_the_host_path_skips_the_update_as_grad_scaler_skips_a_torch_optimizer(flag):
+    """The wrapped optimizer reads GradScaler's found_inf on the host. The reference: GradScaler's own decision for a
+    torch optimizer it hands no flag to (_maybe_opt_step: step only when the flags sum to zero; NaN is not zero)."""
+    m_ours, ours, m_torch, ref = make_pair("Decentralized(AdamW)", "cpu")
+    for m in (m_ours, m_torch):
+        m(torch.randn(9, 5, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    ours.grad_scale, ours.found_inf = torch.tensor(1.0), torch.tensor(flag)
+    ours.step()
+    flags = {"found_inf_per_device": {torch.device("cpu"): torch.tensor(flag)}}
+    torch.amp.GradScaler("cpu")._maybe_opt_step(ref, flags)
+    assert_params_close("Decentralized(AdamW)", [p.detach() for p in m_ours.parameters()],
+                        [p.detach() for p in m_torch.parameters()])
+    assert [float(ours.state[p].get("step", 0)) for p in m_ours.parameters()] == \
+        [float(ref.state[p].get("step", 0)) for p in m_torch.parameters()]
