@@ -109,6 +109,16 @@ def test_options_are_checked_at_world_size_one(bad, match):
         decent_comm.DAdamW(torch.nn.Linear(2, 2).parameters(), **bad)
 
 
+@pytest.mark.parametrize("timeout", [0, datetime.timedelta(0)], ids=["0", "timedelta(0)"])
+@pytest.mark.parametrize("ctor", [decent_comm.DSGD, decent_comm.DAdam, decent_comm.DAdamW, decent_comm.AccumAdamW,
+                                  lambda ps, **kw: decent_comm.Decentralized(torch.optim.SGD(ps, lr=0.1), **kw)],
+                         ids=["DSGD", "DAdam", "DAdamW", "AccumAdamW", "Decentralized"])
+def test_a_zero_timeout_is_refused_by_every_optimizer(ctor, timeout):
+    """Zero is no bound: every wait would time out at once (the transports take at least 1 ms)."""
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        ctor(torch.nn.Linear(2, 2).parameters(), timeout=timeout)
+
+
 @pytest.mark.parametrize("value", [0.25, 1, np.float32(0.25), torch.tensor(0.25, dtype=torch.float64),
                                    fractions.Fraction(1, 4), lambda step: torch.tensor(0.25)])
 def test_consensus_takes_any_real_number(value):
