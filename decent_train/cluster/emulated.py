@@ -35,6 +35,12 @@ started first); deleting a namespace deletes its veth ends and their qdiscs. `cl
 every set-up, or `python bench/netns_cluster.py --cleanup`) removes the namespaces of owners that died
 without cleaning up (SIGKILL).
 
+Faults (`wires=True`, decent_train/cluster/faults.py): each node's link gets a "wire" namespace between the node
+and the switch (node veth0 -- a | bridge | b -- p<i> switch), where `drop(i, fraction)` (1.0: a partition),
+`throttle(i, rate)` and `heal(i)` act. Dropping there, not on the node's own veth, makes every loss remote to
+both ends: a packet dropped by the sender's own qdisc is reported to its TCP as local congestion and resent at
+once, without the retransmission timeout a real lost packet costs.
+
 Fallback: without root, without `ip`/`tc`, or when any set-up command fails (an unprivileged container),
 the cluster runs every "node" on the host's loopback with no shaping and says so (`emulated` is False,
 `reason` says why, a warning is logged). `DECENT_COMM_NETNS=0` forces the fallback.
@@ -51,6 +57,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Union
 
+from .faults import LinkFaults
 from .jobs import TorchrunJobs
 from .net import (DEFAULT_PORT, NODE_IF, PREFIX, SUBNET, cleanup_stale, delete_namespace, format_bits, free_port,
                   netns_unavailable_reason, parse_bandwidth_bits, run_cmd)
@@ -92,21 +99,24 @@ def _install_handlers():
 
 # --------------------------------------------------------------------------------------------- cluster
 
-class EmulatedCluster(TorchrunJobs):
+class EmulatedCluster(TorchrunJobs, LinkFaults):
     """K nodes joined by a switch, each node's link shaped to `bandwidth` (bits/s or '1Gbit'; None: unshaped).
 
     `emulated` says whether namespaces are in use (False: loopback fallback, `reason` says why).
-    `fallback=False` raises instead of falling back.
+    `fallback=False` raises instead of falling back. `wires=True` adds the wire namespaces the link faults
+    (drop, throttle, heal) need.
     """
 
     def __init__(self, nodes: int, bandwidth: Union[None, str, float] = None, *, fallback: bool = True,
-                 burst_bytes: Optional[int] = None, tag: Optional[str] = None, prefix: str = PREFIX):
+                 burst_bytes: Optional[int] = None, tag: Optional[str] = None, prefix: str = PREFIX,
+                 wires: bool = False):
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.nodes = nodes
         self.bandwidth_bits = parse_bandwidth_bits(bandwidth)
         self.burst_bytes = burst_bytes
         self.fallback = fallback
+        self.wires = wires
         self.base = f"{prefix}-{os.getpid()}-{tag or '%04x' % random.getrandbits(16)}"
         self.prefix = prefix
         self.emulated = False
@@ -197,7 +207,11 @@ class EmulatedCluster(TorchrunJobs):
             ns = self.node_ns(i)
             run_cmd(["ip", "netns", "add", ns])
             self._made.append(ns)
-            run_cmd(["ip", "link", "add", NODE_IF, "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", sw])
+            if self.wires:
+                self._add_wire(i)
+            else:
+                run_cmd(["ip", "link", "add", NODE_IF, "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns",
+                         sw])
             run_cmd(["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "up"])
             run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
             run_cmd(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", NODE_IF])
