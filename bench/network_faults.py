@@ -143,7 +143,7 @@ def run_cell(cell: Cell, args, out: str) -> dict:
                         time.sleep(0.2)
                         open(os.path.join(out, "go"), "w").close()
                         t["go"] = time.time()
-                    deadline = t["fault"] + (cell.dur or 0) + args.after_limit
+                    deadline = t["fault"] + (cell.dur or args.open_limit) + args.after_limit
             if "fault" in t and "heal" not in t and cell.dur is not None and time.time() - t["fault"] >= cell.dur:
                 cluster.heal(cell.node)
                 t["heal"] = time.time()
@@ -194,7 +194,7 @@ def judge(result: dict, baselines: dict, timeout: float) -> dict:
             "parameters differ from the fault-free run" if completed else "did not complete"))
     elif cell.expect == "clear_error":
         live = [r for r in ranks if r["rank"] != cell.node]
-        why = [f"rank {r['rank']} hung" for r in ranks if r["hung"]]
+        why = [f"rank {r['rank']} still running at the limit" for r in ranks if r["hung"]]
         why += [f"rank {r['rank']} raised nothing" for r in ranks if not r["errors"] and not r["hung"]]
         why += [f"rank {r['rank']}: {r['errors'][0]['type']} is not a clear error" for r in ranks
                 if r["errors"] and r["errors"][0]["type"] not in CLEAR]
@@ -207,10 +207,9 @@ def judge(result: dict, baselines: dict, timeout: float) -> dict:
     if completed:
         outcome = "completed" + {True: ", bit-identical", False: ", parameters DIFFER", None: ""}[identical]
     else:
-        raised = [r for r in ranks if r["errors"]]
-        outcome = (f"{len(raised)} of {NODES} ranks raised" +
-                   (f", first at {first_errors[0][0]} s" if first_errors else "") +
-                   (f", {sum(r['hung'] for r in ranks)} hung" if any(r["hung"] for r in ranks) else ""))
+        raised, running = sum(bool(r["errors"]) for r in ranks), sum(r["hung"] for r in ranks)
+        outcome = (f"{raised} of {NODES} ranks raised" + (f", first at {first_errors[0][0]} s" if first_errors else "")
+                   + (f", {running} still running at the limit (killed)" if running else ""))
     return {"cell": result["cell"], "times": t, "ranks": ranks, "completed": completed, "identical": identical,
             "outcome": outcome, "verdict": verdict or "observed",
             "wall_s": round(t["end"] - t["launch"], 1), "max_step_s": max(r["max_step_s"] for r in ranks)}
@@ -245,7 +244,7 @@ def markdown(judged: List[dict], args, wall: float) -> str:
         for j, r in errs:
             e = r["errors"][0] if r["errors"] else None
             lines.append(f"| {j['cell']['name']} | {r['rank']}{' (cut off)' if r['rank'] == j['cell']['node'] else ''}"
-                         f" | {e['type'] if e else 'hung (killed)'} | {e['s'] if e else '-'} | "
+                         f" | {e['type'] if e else 'none: killed at the limit'} | {e['s'] if e else '-'} | "
                          f"{message_head(e['msg']) if e else '-'} |")
     return "\n".join(lines) + "\n"
 
@@ -259,7 +258,10 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=10.0, help="the optimizer's (DDP: the process group's) timeout")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--startup-limit", type=float, default=150.0, help="seconds from launch a cell may run unfaulted")
-    p.add_argument("--after-limit", type=float, default=30.0, help="seconds after the heal before hung ranks are killed")
+    p.add_argument("--after-limit", type=float, default=30.0,
+                   help="seconds after the heal before ranks still running are killed")
+    p.add_argument("--open-limit", type=float, default=150.0,
+                   help="a fault never healed (loss to the end): seconds after it before the heal's --after-limit")
     p.add_argument("--out", default=None, help="result prefix (default bench/results/network_faults[_quick])")
     args = p.parse_args(argv)
     cells = matrix(args.store_host)

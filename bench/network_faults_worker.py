@@ -1,6 +1,6 @@
 """One rank of bench/network_faults.py: trains a small MLP with DAdamW / DSGD (or DDP + AdamW) on gloo and writes
 what happens to `<out>/rank<r>.jsonl`, one event a line with its time.time(): start, pg, pause/go, constructed,
-step (its seconds), trained, ga_done, error (where, type, message), done (a sha256 of the final parameters,
+step (the iteration's seconds), trained, ga_done, error (where, type, message), done (a sha256 of the final parameters,
 which the driver compares with the fault-free run's), main_end.
 
 Environment (the driver's): RANK, WORLD_SIZE, MASTER_ADDR (node 0: rank 0 hosts the store), MASTER_PORT.
@@ -78,10 +78,10 @@ def main(argv=None):
         data = torch.Generator().manual_seed(1000 + rank)
         for step in range(a.steps):
             x, y = torch.randn(16, 32, generator=data), torch.randint(0, 10, (16,), generator=data)
+            started = time.time()  # the whole iteration: DDP's all-reduce runs in backward(), decent_comm's in step()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             opt.zero_grad()
             loss.backward()
-            started = time.time()
             opt.step()
             event("step", step=step, s=round(time.time() - started, 4))
             time.sleep(a.sleep)

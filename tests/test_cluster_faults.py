@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
 
 PORT = 5999
 
-RECEIVER = ("import socket\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('{addr}',%d));s.settimeout(1.5)\n"
-            "import time\nprint('ok',flush=True);n=0;b=0;t=[]\ntry:\n while True: b+=len(s.recv(65536)); n+=1; t.append(time.time())\n"
+RECEIVER = ("import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('{addr}',%d))\n"
+            "s.settimeout(1.5);print('ok',flush=True);n=0;b=0;t=[]\ntry:\n"
+            " while True: b+=len(s.recv(65536)); n+=1; t.append(time.time())\n"
             "except socket.timeout: pass\nprint(n,b,t[-1]-t[0] if t else 0,flush=True)" % PORT)
 SENDER = ("import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\nt=time.time()\n"
           "for _ in range({count}): s.sendto(bytes({size}),('{addr}',%d)); time.sleep({gap})" % PORT)

@@ -1,5 +1,6 @@
 """An emulated multi-node cluster on one machine (network namespaces behind a switch, shaped links, one torchrun
-per node), for the multi-node test and the cluster benchmarks; see emulated.py. Imports no torch."""
+per node; link faults with wires=True: faults.py), for the multi-node test and the cluster benchmarks; see
+emulated.py. Imports no torch."""
 
 from .emulated import EmulatedCluster
 from .jobs import ClusterJobError, NodeResult

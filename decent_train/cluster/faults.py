@@ -2,11 +2,12 @@
 node's packets (1.0: partition it), slow its link, heal it. Imports no torch.
 
 Where: node i's link runs node veth0 -- `to_node` | bridge | `to_switch` -- switch port p<i>, the middle in the
-wire namespace `<base>-w<i>`, and the faults are root qdiscs on `to_node` (what the node receives) and `to_switch`
-(what it sends): both directions at once. Neither end sees the drop as its own: a drop on the sender's own veth would be reported to
-its TCP as local congestion (resent at once), while a packet lost in a real network costs a retransmission
-timeout, doubling at each retry; what these faults emulate is the latter. The bandwidth shaping of
-EmulatedCluster.set_bandwidth stays on the node and switch ends, so faults and shaping do not replace each other.
+wire namespace `<base>-w<i>`, and the faults are root qdiscs on `to_node` (what the node receives) and
+`to_switch` (what it sends): both directions at once. Neither end sees the drop as its own: a drop on the
+sender's own veth would be reported to its TCP at once as local congestion, while a packet lost in a real
+network costs a retransmission timeout, doubling at each retry; what these faults emulate is the latter.
+The bandwidth shaping of EmulatedCluster.set_bandwidth stays on the node and switch ends, so faults and shaping
+do not replace each other.
 
 How, as the kernels this runs on have no netem: a drop is an htb root with two classes, 1:1 (the default: pass)
 and 1:2 (a `pfifo limit 0`: every packet sent there is dropped), and a classic-BPF filter that sends a packet to
@@ -38,7 +39,8 @@ class LinkFaults:
         return f"{self.base}-w{i}"
 
     def _add_wire(self, i: int):
-        """node i's veth0 -- to_node [bridge] to_switch -- p<i> in the switch; the namespace is recorded for the tear-down."""
+        """node i's veth0 -- to_node [bridge] to_switch -- p<i> in the switch (the namespace is recorded for the
+        tear-down)."""
         wire, node, sw = self.wire_ns(i), self.node_ns(i), self.switch_ns
         run_cmd(["ip", "netns", "add", wire])
         self._made.append(wire)
