@@ -15,9 +15,11 @@ pytestmark = pytest.mark.skipif(netns_unavailable_reason() is not None,
 
 PORT = 5999
 
+# Waits up to 5 s for the first datagram (the sender is a new interpreter, slow to start on a loaded machine), then
+# until none came for 1.5 s.
 RECEIVER = ("import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('{addr}',%d))\n"
-            "s.settimeout(1.5);print('ok',flush=True);n=0;b=0;t=[]\ntry:\n"
-            " while True: b+=len(s.recv(65536)); n+=1; t.append(time.time())\n"
+            "s.settimeout(5);print('ok',flush=True);n=0;b=0;t=[]\ntry:\n"
+            " while True: b+=len(s.recv(65536)); n+=1; t.append(time.time()); s.settimeout(1.5)\n"
             "except socket.timeout: pass\nprint(n,b,t[-1]-t[0] if t else 0,flush=True)" % PORT)
 SENDER = ("import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\nt=time.time()\n"
           "for _ in range({count}): s.sendto(bytes({size}),('{addr}',%d)); time.sleep({gap})" % PORT)
@@ -50,7 +52,7 @@ def test_partition_drop_throttle_and_heal():
         for src, dst in ((2, 1), (1, 2)):
             assert 150 <= datagrams(cluster, src, dst)[0] <= 250
         cluster.heal(2)
-        assert datagrams(cluster, 2, 0, count=80, size=1000, gap=0.01)[2] < 1.5  # sent over 0.8 s
+        assert datagrams(cluster, 2, 0, count=80, size=1000, gap=0.01)[2] < 2.0  # sent over 0.8 s (+ load)
         cluster.throttle(2, "200kbit")
         # the same at 200 kbit/s: the tbf queues them (up to 2 s of it, more than the 44 KB that build up), none
         # is lost, and they arrive over (80 * 1028 - 16 KiB of burst) * 8 / 200e3 = 2.6 s
