@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .._native import _C
+from .store_calls import default_store
 
 # The exchange layer's error family (exchanger.py re-exports them; imported from _C here, as exchanger.py imports
 # this module).
@@ -96,7 +97,7 @@ def wait_for_ranks(group, timeout: Optional[float], what: str) -> str:
     if world_size == 1:
         return base
     seconds = timeout_s(group, timeout)
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()  # each call bounded: a store that stops answering fails it (store_calls)
     try:
         store.set(f"{base}/rank{rank}", "1")
         count = store.add(f"{base}/count", 1)

@@ -3,8 +3,9 @@ dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), o
 members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name the
 rank that is dead or stuck and not only the group, which member sent non-finite values into a sum
 (``flag``/``flagged``, for check_finite), which the sum itself cannot tell, and the error a member raised of its own
-(``report``/``reports``: its owner's words, e.g. check_finite's), so that a member whose collective or transfer then
-fails because that one stopped names that error, not a dead peer (``blame``, ``told``).
+(``report``: its owner's words, e.g. check_finite's), so that a member whose collective or transfer then fails
+because that one stopped names that error, not a dead peer (``blame``, ``told``). Every store call is held to a
+deadline (exchange.store_calls): a store that stops answering makes these say so instead of blocking the error.
 
 All of it goes through the store rather than the groups: a header all-gathered on a group could meet another
 member's data all-reduce (gloo then aborts the process), and a failed group carries nothing any more. Keys live under
@@ -18,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from .arrival import ExchangeError, ExchangeTimeout, ranks_text
+from .store_calls import default_store
 
 # How long a member that saw an all-reduce fail waits for the other members to report it too. Survivors of a dead
 # member see the connection drop within milliseconds of each other; those of a silent one time out within the
@@ -30,7 +32,7 @@ def swap(base: str, rank: int, ranks: Sequence[int], mine, seconds: float) -> Tu
     """Puts `mine` (str or bytes) in the default group's store under `base` for this rank and waits up to `seconds`
     for every rank of `ranks` to do the same: (every rank's value, []), or ({}, the ranks whose value did not come).
     A failure of the store itself raises dist.DistError."""
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     store.set(f"{base}/{rank}", mine)
     try:
         store.wait([f"{base}/{r}" for r in ranks], datetime.timedelta(seconds=seconds))
@@ -46,7 +48,7 @@ class Roster:
 
     @staticmethod
     def _store():
-        return dist.distributed_c10d._get_default_store()
+        return default_store()  # each call bounded (store_calls): these run where an error is due within a timeout
 
     def agree(self, bucket: int, g: Sequence[int], mine: str, seconds: float) -> Optional[Exception]:
         """Swaps `mine` ("<numel> elements of <dtype>") for `bucket` with every member of `g`. Returns the error to
@@ -77,28 +79,31 @@ class Roster:
     def blame(self, g: Sequence[int]) -> str:
         """Reports this rank's failure and waits up to BLAME_GRACE_S for the other members of `g` to report theirs.
         Returns the words naming the members that raised an error of their own (``report``: the likely cause, not
-        waited for) and those that did not report ("" when all did, or the store cannot tell)."""
+        waited for) and those that did not report ("" when all did), or saying the store failed."""
         store = self._store()
-        reported = self.reports(g)
+        reported, lost = self._reports(g)
         others = [r for r in g if r != self.rank and r not in reported]
         absent = []
         try:
+            if lost:  # the store failed already: each later call would fail too (at once, when it stopped answering)
+                raise dist.DistStoreError(lost)
             store.set(f"{self.namespace}/failed/{self.rank}", "1")
             if others:
                 try:
                     store.wait([f"{self.namespace}/failed/{r}" for r in others],
                                datetime.timedelta(seconds=BLAME_GRACE_S))
-                except dist.DistStoreError:
+                except dist.DistStoreError:  # timed out (a store that stopped answering fails the check too)
                     absent = [r for r in others if not store.check([f"{self.namespace}/failed/{r}"])]
             if absent:  # one may have reported its own error while this rank waited (it raises that, not this)
-                late = self.reports(absent)
+                late, lost = self._reports(absent)
                 reported.update(late)
                 absent = [r for r in absent if r not in late]
-        except dist.DistError:
-            pass
+        except dist.DistError as e:
+            lost = str(e)
         return self._told(reported) + (
             f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
-            "likely cause: it died, is stuck, or runs another schedule)" if absent else "")
+            "likely cause: it died, is stuck, or runs another schedule)" if absent else "") + (
+            f"; which members failed too is unknown: {lost}" if lost else "")
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own (its owner's words), where the other
@@ -111,20 +116,24 @@ class Roster:
         except dist.DistError:  # the store is gone: the others' errors then name the peer only
             pass
 
-    def reports(self, g: Sequence[int]) -> Dict[int, str]:
-        """The errors the other members of `g` reported ({} when none did, or the store cannot tell)."""
+    def _reports(self, g: Sequence[int]) -> Tuple[Dict[int, str], str]:
+        """The errors the other members of `g` reported ({} when none did), and "" or the store's error when it could
+        not be read."""
         try:
             store = self._store()
             if store.add(f"{self.namespace}/reports", 0) == 0:
-                return {}
+                return {}, ""
             keys = {r: f"{self.namespace}/report/{r}" for r in g if r != self.rank}
-            return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        except dist.DistError:
-            return {}
+            return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}, ""
+        except dist.DistError as e:
+            return {}, str(e)
 
     def told(self, g: Sequence[int]) -> str:
-        """The words naming the errors the other members of `g` reported ("" when none did)."""
-        return self._told(self.reports(g))
+        """The words naming the errors the other members of `g` reported ("" when none did), or saying the store
+        could not tell."""
+        reported, lost = self._reports(g)
+        return self._told(reported) + (f"; whether another rank raised an error of its own first is unknown: {lost}"
+                                       if lost else "")
 
     @staticmethod
     def _told(reported: Dict[int, str]) -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import topology as topo_mod
-from ..exchange import (ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, timeout_seconds,
+from ..exchange import (ExchangeError, ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, timeout_seconds,
                         wait_for_ranks)
 from .plan import consensus_factor
 
@@ -234,8 +234,12 @@ def verify_replicas(config: Optional[dict], process_group, world_size: int, time
     # every rank has arrived and puts its config next (one that dies in between is named after the wait)
     seconds = timeout_s(process_group, seconds)
     mine = config if refusal is None else {_REFUSED: f"{type(refusal).__name__}: {refusal}"}
-    sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(mine),
-                          seconds)
+    try:
+        sides, missing = swap(f"{base}/config", dist.get_rank(process_group), range(world_size), pickle.dumps(mine),
+                              seconds)
+    except dist.DistError as exc:  # the store failed (its server gone, or no longer answering: store_calls)
+        raise ExchangeError(f"decent_comm: building the optimizer: the store of the default process group failed "
+                            f"while the ranks exchanged their configurations: {exc}") from exc
     if missing:
         raise in_global_ranks(ExchangeTimeout(f"decent_comm: building the optimizer: {ranks_text(missing)} arrived but "
                                               f"did not send its configuration within {seconds:g} s"), process_group)
