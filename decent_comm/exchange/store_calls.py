@@ -191,7 +191,7 @@ def _shut_down_connections(port: int):
     for fd in fds:
         try:
             sock = socket.socket(fileno=fd)
-        except OSError:  # not a socket (or closed meanwhile)
+        except (OSError, ValueError):  # not a socket (or closed meanwhile), or of a family Python does not know
             continue
         try:
             peer, own = sock.getpeername(), sock.getsockname()
