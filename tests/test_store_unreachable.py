@@ -225,3 +225,52 @@ def test_a_store_call_past_its_deadline_fails_the_later_ones_at_once_until_it_an
         server.wait()
         server.stdin.close()
         server.stdout.close()
+
+
+def test_a_call_queued_behind_an_interrupted_wait_says_so_instead_of_blaming_the_store(monkeypatch):
+    """Ctrl-C during a long wait (the construction barrier's, in a notebook) leaves the store call running in the
+    worker; a later call queued behind it must not say the store's host is unreachable without saying why."""
+    import datetime
+    import signal
+    import threading
+    import torch.distributed as dist
+    from decent_comm.exchange import store_calls
+    monkeypatch.setattr(store_calls, "REPLY_S", 0.5)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+    store = store_calls.BoundedStore(server)
+    # a SIGINT to the main thread, as Ctrl-C sends (interrupt_main() would not wake the blocked wait)
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        store.wait(["never"], datetime.timedelta(seconds=3))
+    with pytest.raises(dist.DistStoreError, match=r"earlier store call \(wait\) has not returned yet"):
+        store.add("n", 1)
+    deadline = time.monotonic() + 10  # the wait ends at its own timeout: the store serves calls again
+    while True:
+        try:
+            assert store.add("n", 1) == 1  # the call queued behind it was never sent
+            break
+        except dist.DistStoreError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_the_exit_shutdown_cuts_only_the_connections_to_the_stores_host():
+    """At exit with a call outstanding, the store's sockets are shut down; a connection to another host's service on
+    the same port number is not the store's (127.0.0.2: another address of the loopback)."""
+    import socket
+    from decent_comm.exchange import store_calls
+    listeners = [socket.create_server(("127.0.0.1", 0))]
+    port = listeners[0].getsockname()[1]
+    listeners.append(socket.create_server(("127.0.0.2", port)))
+    clients = [socket.create_connection((host, port)) for host in ("127.0.0.1", "127.0.0.2")]
+    accepted = [listener.accept()[0] for listener in listeners]
+    try:
+        store_calls._shut_down_connections("127.0.0.1", port)
+        assert accepted[0].recv(1) == b""  # the store's: shut down (EOF at the other end)
+        clients[1].sendall(b"x")  # the other host's: untouched
+        assert accepted[1].recv(1) == b"x"
+    finally:
+        for s in clients + accepted + listeners:
+            s.close()

@@ -46,10 +46,10 @@ _EXIT_JOIN_S = 2.0  # at exit: how long the outstanding call may take to fail on
 
 
 class _Job:
-    __slots__ = ("fn", "args", "address", "done", "result", "error", "abandoned")
+    __slots__ = ("fn", "method", "args", "address", "done", "result", "error", "abandoned")
 
-    def __init__(self, fn, args, address):
-        self.fn, self.args, self.address = fn, args, address
+    def __init__(self, fn, method, args, address):
+        self.fn, self.method, self.args, self.address = fn, method, args, address
         self.done = threading.Event()
         self.result = self.error = None
         self.abandoned = False
@@ -90,11 +90,11 @@ def _work(state: _State):
             job.result = job.fn(*job.args)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             job.error = e
-        with state.lock:
+        with state.lock:  # done is set under the lock: a caller whose deadline passes now sees it, or sees it running
             state.running = None
             if state.stuck is not None and state.stuck[0] is job:
                 state.stuck = None  # it answered after all: the connection is usable again
-        job.done.set()
+            job.done.set()
         del job
 
 
@@ -143,18 +143,28 @@ class BoundedStore:
                     state.worker.start()
                     if not _exit_hook:
                         _exit_hook.append(atexit.register(_close_at_exit))
-                job = _Job(getattr(self._store, method), args, self._address)
+                job = _Job(getattr(self._store, method), method, args, self._address)
                 state.jobs.put(job)
         if refused is not None:
             raise dist.DistStoreError(refused)
-        if not job.done.wait(seconds):
+        try:
+            answered = job.done.wait(seconds)
+        except BaseException:  # Ctrl-C (or another exception) while waiting: a queued call is never sent
+            with state.lock:
+                job.abandoned = True
+            raise
+        if not answered:
             with state.lock:
                 if not job.done.is_set():
+                    blocker = state.running or job  # the call in the worker holds the connection (this one, or before)
                     message = (f"no answer from the default process group's store {_where(self._address)}within "
                                f"{seconds:g} s ({method}: its host unreachable, or the store stuck)")
+                    if blocker is not job:  # e.g. a long wait whose caller was interrupted: the store may be fine
+                        message += (f"; this process's earlier store call ({blocker.method}) has not returned yet, "
+                                    "and this one queued behind it")
                     job.abandoned = True
-                    if state.stuck is None:  # the call in the worker holds the connection (this one, or before it)
-                        state.stuck = (state.running or job, message)
+                    if state.stuck is None:
+                        state.stuck = (blocker, message)
                     raise dist.DistStoreError(message)
         if job.error is not None:
             raise job.error
@@ -177,16 +187,22 @@ def _close_at_exit():
         state.closed = (f"the default process group's store {_where(job.address)}was disconnected at exit with a "
                         "call outstanding")
     if job.address is not None:
-        _shut_down_connections(job.address[1])
+        _shut_down_connections(*job.address)
     job.done.wait(_EXIT_JOIN_S)
 
 
-def _shut_down_connections(port: int):
-    """shutdown() of every socket of this process connected to `port` (the store's clients; not a server's own
-    accepted connections, whose local port it is). Linux (/proc); elsewhere nothing happens."""
+def _ip(address: str) -> str:
+    return address[7:] if address.startswith("::ffff:") else address  # an IPv4 peer of a dual-stack socket
+
+
+def _shut_down_connections(host: str, port: int):
+    """shutdown() of every socket of this process connected to the store at `host`:`port` (its clients; not a
+    server's own accepted connections, whose local port it is; not a connection to another host's service on the
+    same port number). Linux (/proc); elsewhere nothing happens."""
     try:
+        ips = {_ip(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:
+    except OSError:  # socket.gaierror is an OSError: without the store's addresses no socket can be told apart
         return
     for fd in fds:
         try:
@@ -195,7 +211,7 @@ def _shut_down_connections(port: int):
             continue
         try:
             peer, own = sock.getpeername(), sock.getsockname()
-            if isinstance(peer, tuple) and peer[1] == port and own[1] != port:
+            if isinstance(peer, tuple) and peer[1] == port and own[1] != port and _ip(peer[0]) in ips:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # not connected, or not an inet socket
             pass
