@@ -10,16 +10,16 @@ and check until TCP gives up (~15 min). Neither the store's own timeout nor set_
 wait(keys, timeout) is bounded: past its timeout it cancels the wait and blocks for the server's answer to that
 (torch 2.14, measured with the server's process stopped). decent_comm calls the store where
 an optimizer has promised an error within its timeout + a few seconds: the construction's arrival barrier, the
-failure paths' reports and blame (exchange.arrival, exchange.roster). So each call runs on one daemon worker thread
-per process and the caller waits for it up to its deadline; past it the caller raises ``dist.DistStoreError`` naming
+failure paths' reports and blame (exchange.arrival, exchange.roster). So each call runs on a daemon thread of its
+own, gone once the call returns, and the caller waits for it up to its deadline; past it the caller raises ``dist.DistStoreError`` naming
 the store's address and the seconds, which the callers' ``except dist.DistError`` handlers put into their own words.
 The call left behind still holds the client's connection (and its lock): until it returns, every later call raises
 the same error at once instead of queueing behind it.
 
-The calls happen at construction and on failures, never per step; the hop to the worker costs ~0.3 ms per call
-(measured on 2 loaded cores: 0.26-0.34 ms an add, against 0.04-0.07 ms for a direct one).
+The calls happen at construction and on failures, never per step; the thread costs a fraction of a millisecond a
+call.
 
-Exit: the worker is a daemon thread; blocked when the process exits, it dies with it. But a call that returns
+Exit: a call's thread is a daemon; blocked when the process exits, it dies with it. But a call that returns
 during the interpreter's finalization (the store answers late, or its host closes the connection) takes the GIL
 there, and CPython ends the thread with pthread_exit, whose unwinding through a noexcept destructor is std::terminate
 ("terminate called without an active exception", see _closing.py; seen here: a frozen store killed as its client
@@ -31,10 +31,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import queue
 import socket
 import threading
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -46,21 +45,18 @@ _EXIT_JOIN_S = 2.0  # at exit: how long the outstanding call may take to fail on
 
 
 class _Job:
-    __slots__ = ("fn", "method", "args", "address", "done", "result", "error", "abandoned")
+    __slots__ = ("fn", "method", "args", "address", "done", "result", "error")
 
     def __init__(self, fn, method, args, address):
         self.fn, self.method, self.args, self.address = fn, method, args, address
         self.done = threading.Event()
         self.result = self.error = None
-        self.abandoned = False
 
 
 class _State:
     def __init__(self):
         self.lock = threading.Lock()
-        self.jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
-        self.worker: Optional[threading.Thread] = None
-        self.running: Optional[_Job] = None          # the call the worker is in
+        self.outstanding: List[_Job] = []             # calls started and not returned, oldest first
         self.stuck: Optional[Tuple[_Job, str]] = None  # a call past its caller's deadline, and the error it raised
         self.closed: Optional[str] = None            # set at exit once the connections were shut down
 
@@ -70,32 +66,23 @@ _exit_hook = []
 
 
 def _reset_after_fork():
-    global _state  # the child has no worker thread, and the lock may have been held by another thread at the fork
+    global _state  # the child has no such thread, and the lock may have been held by another thread at the fork
     _state = _State()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _work(state: _State):
-    while True:
-        job = state.jobs.get()
-        with state.lock:
-            if job.abandoned:  # its caller gave up while it queued: never sent
-                if state.stuck is not None and state.stuck[0] is job:
-                    state.stuck = None
-                continue
-            state.running = job
-        try:
-            job.result = job.fn(*job.args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            job.error = e
-        with state.lock:  # done is set under the lock: a caller whose deadline passes now sees it, or sees it running
-            state.running = None
-            if state.stuck is not None and state.stuck[0] is job:
-                state.stuck = None  # it answered after all: the connection is usable again
-            job.done.set()
-        del job
+def _run(state: _State, job: _Job):
+    try:
+        job.result = job.fn(*job.args)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        job.error = e
+    with state.lock:  # done is set under the lock: a caller whose deadline passes now sees it done, or not yet
+        state.outstanding.remove(job)
+        if state.stuck is not None and state.stuck[0] is job:
+            state.stuck = None  # it answered after all: the connection is usable again
+        job.done.set()
 
 
 def _address(store) -> Optional[Tuple[str, int]]:
@@ -137,34 +124,26 @@ class BoundedStore:
         with state.lock:
             refused = state.closed or (state.stuck[1] if state.stuck is not None else None)
             if refused is None:
-                if state.worker is None:
-                    state.worker = threading.Thread(target=_work, args=(state,), daemon=True,
-                                                    name="decent_comm-store-calls")
-                    state.worker.start()
-                    if not _exit_hook:
-                        _exit_hook.append(atexit.register(_close_at_exit))
+                if not _exit_hook:
+                    _exit_hook.append(atexit.register(_close_at_exit))
+                blocker = state.outstanding[0] if state.outstanding else None  # e.g. a wait whose caller was interrupted
                 job = _Job(getattr(self._store, method), method, args, self._address)
-                state.jobs.put(job)
+                state.outstanding.append(job)
         if refused is not None:
             raise dist.DistStoreError(refused)
-        try:
-            answered = job.done.wait(seconds)
-        except BaseException:  # Ctrl-C (or another exception) while waiting: a queued call is never sent
-            with state.lock:
-                job.abandoned = True
-            raise
-        if not answered:
+        # A thread of its own per call, gone once the call returns: none outlives shutdown() and
+        # destroy_process_group() (tests/test_exit.py counts them).
+        threading.Thread(target=_run, args=(state, job), daemon=True, name=f"decent_comm-store-{method}").start()
+        if not job.done.wait(seconds):
             with state.lock:
                 if not job.done.is_set():
-                    blocker = state.running or job  # the call in the worker holds the connection (this one, or before)
                     message = (f"no answer from the default process group's store {_where(self._address)}within "
                                f"{seconds:g} s ({method}: its host unreachable, or the store stuck)")
-                    if blocker is not job:  # e.g. a long wait whose caller was interrupted: the store may be fine
+                    if blocker is not None and not blocker.done.is_set():  # the store may be fine
                         message += (f"; this process's earlier store call ({blocker.method}) has not returned yet, "
-                                    "and this one queued behind it")
-                    job.abandoned = True
-                    if state.stuck is None:
-                        state.stuck = (blocker, message)
+                                    "and this one waits behind it for the store's connection")
+                    if state.stuck is None:  # the call holds (or waits for) the client's connection
+                        state.stuck = (job, message)
                     raise dist.DistStoreError(message)
         if job.error is not None:
             raise job.error
@@ -181,14 +160,15 @@ def _close_at_exit():
     interpreter is alive, rather than return during finalization (see the module docstring)."""
     state = _state
     with state.lock:
-        job = state.running
-        if job is None:
+        if not state.outstanding:
             return
-        state.closed = (f"the default process group's store {_where(job.address)}was disconnected at exit with a "
+        jobs = list(state.outstanding)
+        state.closed = (f"the default process group's store {_where(jobs[0].address)}was disconnected at exit with a "
                         "call outstanding")
-    if job.address is not None:
-        _shut_down_connections(*job.address)
-    job.done.wait(_EXIT_JOIN_S)
+    if jobs[0].address is not None:
+        _shut_down_connections(*jobs[0].address)
+    for job in jobs:
+        job.done.wait(_EXIT_JOIN_S)
 
 
 def _ip(address: str) -> str:
