@@ -3,6 +3,7 @@ collective utilities with a late rank or ranks out of step, check_finite (on the
 values too), a silent peer on the group all-reduce, and a rank dying during the construction's check."""
 
 import logging
+import re
 import time
 
 import pytest
@@ -315,11 +316,14 @@ def test_atc_shutdown_after_a_failed_exchange_does_not_raise_it_again():
     context; now the training loop's error is what propagates, and shutdown() logs that its mix was not applied."""
     results = run_ranks(_atc_survivor_shuts_down, 3, timeout=120)
     assert results[2] == "died"
+    # "rank 2", or rank 2 among the ranks that did not report the failure within the grace (a survivor starved of
+    # CPU for over 2 s on a loaded machine is listed beside it: "ranks [0, 2] did not report this failure")
+    names_rank_2 = re.compile(r"\brank 2\b|\branks \[[^\]]*\b2\b[^\]]*\]")
     for rank, (msg, logged) in enumerate(results[:2]):
         assert "unusable after an earlier error" not in msg, (rank, msg)
-        assert "rank 2" in msg, (rank, msg)
-        assert len(logged) == 1 and "the last step's mix was not applied" in logged[0] and "rank 2" in logged[0], \
-            (rank, logged)
+        assert names_rank_2.search(msg), (rank, msg)
+        assert len(logged) == 1 and "the last step's mix was not applied" in logged[0] and \
+            names_rank_2.search(logged[0]), (rank, logged)
 
 
 def _atc_nonfinite_neighbour_then_shutdown(rank, n):
