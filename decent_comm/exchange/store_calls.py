@@ -133,7 +133,10 @@ class BoundedStore:
             raise dist.DistStoreError(refused)
         # A thread of its own per call, gone once the call returns: none outlives shutdown() and
         # destroy_process_group() (tests/test_exit.py counts them).
-        threading.Thread(target=_run, args=(state, job), daemon=True, name=f"decent_comm-store-{method}").start()
+        try:
+            threading.Thread(target=_run, args=(state, job), daemon=True, name=f"decent_comm-store-{method}").start()
+        except RuntimeError:  # at interpreter shutdown (Python >= 3.12 refuses new threads): made here, unbounded
+            _run(state, job)
         if not job.done.wait(seconds):
             with state.lock:
                 if not job.done.is_set():
