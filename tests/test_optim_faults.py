@@ -316,8 +316,10 @@ def test_atc_shutdown_after_a_failed_exchange_does_not_raise_it_again():
     context; now the training loop's error is what propagates, and shutdown() logs that its mix was not applied."""
     results = run_ranks(_atc_survivor_shuts_down, 3, timeout=120)
     assert results[2] == "died"
-    # "rank 2", or rank 2 among the ranks that did not report the failure within the grace (a survivor starved of
-    # CPU for over 2 s on a loaded machine is listed beside it: "ranks [0, 2] did not report this failure")
+    # "rank 2", or rank 2 among the ranks that did not report the failure within the 2 s grace: in about 1 run of 7,
+    # idle machine or not, survivor rank 0 meets the failure about 2 s after rank 1 and is listed beside it ("ranks
+    # [0, 2] did not report this failure"; docs/reliability.md: a dead peer on the group path is named only if the
+    # others report within the grace). Seen before this test's code changed too; why rank 0 is late is not known.
     names_rank_2 = re.compile(r"\brank 2\b|\branks \[[^\]]*\b2\b[^\]]*\]")
     for rank, (msg, logged) in enumerate(results[:2]):
         assert "unusable after an earlier error" not in msg, (rank, msg)
