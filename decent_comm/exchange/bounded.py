@@ -8,7 +8,8 @@ gradient average, an adaptive topology's statistics - held to the same `timeout`
 dist.all_reduce waits for the process group's own timeout (gloo: 30 min) for a rank that stopped stepping, so a
 silent peer stalled a warm-up step for half an hour where a gossip step raises within `timeout`. Here a
 rank that has not joined within `timeout` makes every waiting rank raise ``ExchangeTimeout``, naming the ranks that
-did not report the failure too (exchange.roster); a rank that exited makes it raise ``ExchangeError``. Either
+did not report the failure too (exchange.roster); a rank that exited makes it raise ``ExchangeError``, and so does,
+within about half a second, a rank left waiting for one that failed already (exchange.watched_wait). Either
 makes the object unusable (every later call raises ``ExchangeError`` quoting the first error): the abandoned
 all-reduce stays posted in the group, so a later one would be matched against it.
 
@@ -34,7 +35,6 @@ of a group that was given.
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import sys
 import time
@@ -48,6 +48,7 @@ from . import _closing
 from .arrival import ExchangeError, ExchangeTimeout, in_global_ranks, wait_for_ranks
 from .roster import BLAME_GRACE_S, Roster, swap
 from .timeouts import timeout_seconds
+from .watched_wait import MembersFailed, WaitTimedOut, wait_watching
 
 
 #: How long a finished all-reduce's tensor is kept. gloo's worker thread lets go of the work microseconds after the
@@ -197,23 +198,31 @@ class BoundedAllReduce:
             dist.all_reduce(tensor, group=self.group)
             return
         started = time.monotonic()
+        everyone = list(range(self.world_size))
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        first = None  # MembersFailed: members failed while this rank still waited (watched_wait)
         try:
-            if work.wait(**({"timeout": datetime.timedelta(seconds=self.timeout)} if self.bounded else {})) \
-                    is not False:
+            if wait_watching(work, self.timeout, lambda: self._roster.failed(everyone)) is not False:
                 del work
                 now = time.monotonic()
                 self.prune(now)
                 self._held.append((now, tensor))
                 return
             detail = "the all-reduce was aborted"
+        except WaitTimedOut:
+            detail = ""
+        except MembersFailed as e:
+            first, detail = e, ""
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
             detail = str(e)
-        everyone = list(range(self.world_size))
-        if self.bounded and time.monotonic() - started + 0.01 >= self.timeout:
+        if first is not None:  # a timeout of theirs is this rank's too: it waits for the same silent member
+            error = (ExchangeTimeout if first.timed_out else ExchangeError)(
+                f"decent_comm: {what}: the all-reduce over ranks {everyone} {first.words()}"
+                f"{self._roster.blame(everyone, timed_out=first.timed_out)}")
+        elif self.bounded and time.monotonic() - started + 0.01 >= self.timeout:
             error = ExchangeTimeout(f"decent_comm: {what}: the all-reduce over ranks {everyone} did not complete "
-                                    f"within {self.timeout * 1e3:.0f} ms{self._roster.blame(everyone)}; transport: "
-                                    f"{detail}")
+                                    f"within {self.timeout * 1e3:.0f} ms{self._roster.blame(everyone, timed_out=True)}"
+                                    + (f"; transport: {detail}" if detail else ""))
         else:
             error = ExchangeError(f"decent_comm: {what}: the all-reduce over ranks {everyone} failed"
                                   f"{self._roster.blame(everyone)}: {detail}")

@@ -23,7 +23,8 @@ not reach the agreement within ``timeout`` makes it raise ``ExchangeTimeout`` na
 agreement goes through the store, not the group, so that a member that renegotiates while another goes
 straight to the data (a size changed on one rank only) never has a header met by an all-reduce: both time out.
 
-A member that exits raises ``ExchangeError``; one that does not answer within ``timeout`` raises
+A member that exits raises ``ExchangeError``; so does, within about half a second, a member left waiting for one
+that failed already (exchange.watched_wait; on gloo). One that does not answer within ``timeout`` raises
 ``ExchangeTimeout`` naming the bucket and the group (on NCCL the process group's own timeout and watchdog bound the
 all-reduces: a bounded wait would block the host at every step). Either makes the object unusable: every later call
 raises ``ExchangeError`` quoting the first error. Bad arguments raise ``ValueError`` and leave it usable.
@@ -42,6 +43,7 @@ from .arrival import group_timeout_s, wait_for_ranks
 from .roster import Roster
 from .exchanger import ExchangeError, ExchangeTimeout
 from .timeouts import timeout_ms, timeout_seconds
+from .watched_wait import MembersFailed, WaitTimedOut, wait_watching
 
 Group = Tuple[int, ...]
 
@@ -169,19 +171,32 @@ class GroupAllReduce:
             return
         work, g, started = entry
         try:
-            ok = work.wait() if self.timeout is None or not self._bounded else work.wait(timeout=self.timeout)
+            if self._bounded:  # slices, watching for a member that failed already (watched_wait)
+                ok = wait_watching(work, None if self.timeout is None else self.timeout.total_seconds(),
+                                   lambda: self._roster.failed(g))
+            else:
+                ok = work.wait()
+        except WaitTimedOut:
+            raise self._fail(ExchangeTimeout(
+                f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} ms "
+                f"in the all-reduce among ranks {list(g)}{self._roster.blame(g, timed_out=True)}")) from None
+        except MembersFailed as e:  # a timeout of theirs is this rank's too: it waits for the same silent member
+            raise self._fail((ExchangeTimeout if e.timed_out else ExchangeError)(
+                f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks {list(g)} {e.words()}"
+                f"{self._roster.blame(g, timed_out=e.timed_out)}")) from None
         except Exception as e:  # noqa: BLE001
             elapsed = time.monotonic() - started
             if self._bounded and self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
                 raise self._fail(ExchangeTimeout(
                     f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} "
-                    f"ms in the all-reduce among ranks {list(g)}{self._roster.blame(g)}; transport: {e}")) from e
+                    f"ms in the all-reduce among ranks {list(g)}{self._roster.blame(g, timed_out=True)}; transport: "
+                    f"{e}")) from e
             raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
                                            f"{list(g)} failed{self._roster.blame(g)}: {e}")) from e
         if ok is False:
             raise self._fail(ExchangeTimeout(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
                                              f"{list(g)} did not complete within {self.timeout}"
-                                             f"{self._roster.blame(g)}"))
+                                             f"{self._roster.blame(g, timed_out=True)}"))
 
     def wait_all(self):
         self._usable("wait_all")

@@ -76,9 +76,10 @@ class Roster:
                              f"dtype ({listed}); nothing was sent (every member must build the same buckets with the "
                              "same wire dtype)")
 
-    def blame(self, g: Sequence[int]) -> str:
-        """Reports this rank's failure and waits up to BLAME_GRACE_S for the other members of `g` to report theirs.
-        Returns the words naming the members that raised an error of their own (``report``: the likely cause, not
+    def blame(self, g: Sequence[int], timed_out: bool = False) -> str:
+        """Reports this rank's failure (`timed_out`: its wait ran out, else the transport failed; a member still
+        waiting learns which, ``failed``) and waits up to BLAME_GRACE_S for the other members of `g` to report
+        theirs. Returns the words naming the members that raised an error of their own (``report``: the likely cause, not
         waited for) and those that did not report ("" when all did), or saying the store failed."""
         store = self._store()
         reported, lost = self._reports(g)
@@ -87,7 +88,8 @@ class Roster:
         try:
             if lost:  # the store failed already: each later call would fail too (at once, when it stopped answering)
                 raise dist.DistStoreError(lost)
-            store.set(f"{self.namespace}/failed/{self.rank}", "1")
+            store.set(f"{self.namespace}/failed/{self.rank}", "timeout" if timed_out else "error")
+            store.add(f"{self.namespace}/failures", 1)  # one look tells a waiting member (``failed``) to stop
             if others:
                 try:
                     store.wait([f"{self.namespace}/failed/{r}" for r in others],
@@ -104,6 +106,19 @@ class Roster:
             f"; {ranks_text(absent)} did not report this failure within {BLAME_GRACE_S:g} s of this rank (the "
             "likely cause: it died, is stuck, or runs another schedule)" if absent else "") + (
             f"; which members failed too is unknown: {lost}" if lost else "")
+
+    def failed(self, g: Sequence[int]) -> Dict[int, str]:
+        """The other members of `g` that reported a failure (``blame``), each with "timeout" or "error": {} when
+        none did or the store cannot tell. One store call while no member of the namespace failed; asked by a member
+        still waiting for the collective (exchange.watched_wait), which else waits for the failed one to exit."""
+        try:
+            store = self._store()
+            if store.add(f"{self.namespace}/failures", 0) == 0:
+                return {}
+            keys = {r: f"{self.namespace}/failed/{r}" for r in g if r != self.rank}
+            return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        except dist.DistError:  # the store is gone: the wait goes on to its own error or timeout
+            return {}
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own (its owner's words), where the other
