@@ -1,6 +1,8 @@
 """An error a rank raises of its own (``report``, e.g. check_finite's), named by the ranks whose next transfer or
 all-reduce fails because that rank stopped: on every path of the exchange layer (GossipExchange's point-to-point
-and group all-reduce, BoundedAllReduce), in the words the owner passed, instead of taking it for a dead peer."""
+and group all-reduce, BoundedAllReduce), in the words the owner passed, instead of taking it for a dead peer; and a rank's first point-to-point failure,
+which stops its transfers with its other peers, named by those peers."""
+import re
 import time
 
 import pytest
@@ -62,3 +64,41 @@ def test_an_unreported_exit_is_still_taken_for_a_dead_rank(path):
     for rank, (msg, _) in enumerate(run_ranks(_reporter_exits, 3, path, False, timeout=120)[:2]):
         dead = "rank 2 did not reach it" if path == "group-agreement" else "rank 2 did not report this failure"
         assert dead in msg and "own before" not in msg, (rank, msg)
+
+
+def _second_hop(rank, n, linger):
+    """A 4-rank point-to-point ring: rank 3 exits; ranks 0 and 2 fail on it, then exit (or live on for `linger` s, a
+    script saving a checkpoint); rank 1, a neighbour of neither failure, fails on them next."""
+    ex = GossipExchange(None, torch.device("cpu"), timeout=TIMEOUT_S)
+    x = torch.ones(100)
+    left, right = (rank - 1) % n, (rank + 1) % n
+
+    def step():
+        ex.exchange(0, x, [torch.empty(100), torch.empty(100)], send_to=[left, right], recv_from=[left, right])
+        ex.wait(0)
+
+    step()
+    if rank == 3:
+        exit_now("exited")
+    try:
+        for _ in range(3):  # ranks 0 and 2 fail in the first; rank 1's first completes (their sends were posted)
+            step()
+        msg = "no error"
+    except ExchangeError as exc:
+        msg = str(exc)
+    if rank != 1:
+        time.sleep(linger)
+    return msg
+
+
+@pytest.mark.parametrize("linger", [0, TIMEOUT_S + 2])
+def test_a_neighbours_neighbour_names_the_first_failure_not_the_rank_that_stopped_because_of_it(linger):
+    """Rank 1 named rank 0 ("receive from rank 0 (rank 0 may have exited or failed) failed") or, with ranks 0 and 2
+    alive, timed out naming them, and nothing said rank 3: a rank's first point-to-point failure is reported too."""
+    res = run_ranks(_second_hop, 4, linger, timeout=120)
+    assert res[3] == "exited"
+    for rank in (0, 2):
+        assert "receive from rank 3" in res[rank] and "own before" not in res[rank], (rank, res[rank])
+    first = re.search(r"(rank \d|ranks \[0, 2\]) raised an error of (its|their) own before \(the likely cause\): "
+                      r"rank [02]: decent_comm exchange: bucket 0: receive from rank 3", res[1])
+    assert first, res[1]

@@ -11,7 +11,9 @@ group), in this order on every rank.
 
 ``report(text)``: an error this rank is about to raise of its own (e.g. its owner found non-finite values): a rank
 whose transfer or all-reduce then fails because this one stopped names that error (exchange.roster) instead of
-taking this rank for dead. The point-to-point errors come from the C++ transport, so their words are added here.
+taking this rank for dead. The point-to-point errors come from the C++ transport, so their words are added here;
+the first of them is reported too (unless the owner reported one), so that a neighbour's neighbour whose transfer
+with this rank fails next names the rank that failed first, not this one.
 """
 from __future__ import annotations
 
@@ -39,21 +41,30 @@ class GossipExchange:
             self.group_allreduce: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
                                                      if groups else None)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
+        self._peers: Dict[int, Sequence[int]] = {}  # bucket -> the ranks of its last point-to-point exchange
         # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
         # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
         self.error: Optional[ExchangeError] = None
+        self._reported = False  # an error of this rank is in the store already (report: the first one stays)
 
     @contextlib.contextmanager
-    def _named(self, path=None):
+    def _named(self, path=None, peers: Iterable[int] = ()):
         """Errors name the ranks of the process group; on a subgroup they also say which global ranks those are.
-        A failed point-to-point transfer (`path` the Exchanger) also names the errors other ranks reported (the
-        group all-reduce's own errors do: roster.blame)."""
+        A failed point-to-point transfer (`path` the Exchanger, with `peers`) also names the errors those peers
+        reported (the group all-reduce's own errors do: roster.blame); a rank that failed at the same moment on
+        a peer of its own, not one of these, is not news to this error."""
+        peers = sorted(set(peers))  # now: the caller's generator may look at state the call changes
         try:
             yield
         except (ExchangeError, ValueError) as e:
             if path is self.p2p and isinstance(e, ExchangeError) and self._roster is not None and \
                     len(e.args) == 1 and isinstance(e.args[0], str):
-                e.args = (e.args[0] + self._roster.told(range(self.p2p.world_size)),)
+                own = e.args[0]
+                e.args = (own + self._roster.told(peers),)
+                if self.error is None and not self._reported:
+                    # A neighbour's failure stops this rank's transfers with its other neighbours: theirs then fail
+                    # on this rank ("receive from rank 0 ... failed") and name the first failure by its words.
+                    self.report(own)
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -71,30 +82,35 @@ class GossipExchange:
                 self.group_allreduce.exchange(bucket, send, recvs, group)
             self._route[bucket] = self.group_allreduce
         else:
-            with self._named(self.p2p):
+            self._peers[bucket] = list(send_to) + list(recv_from)
+            with self._named(self.p2p, self._peers[bucket]):
                 self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
             self._route[bucket] = self.p2p
 
     def wait(self, bucket: int):
         path = self._route.get(bucket) or self.p2p
-        with self._named(path):
+        with self._named(path, self._peers.get(bucket, ())):
             path.wait(bucket)  # an unknown bucket: the Exchanger's error names it
 
     def _paths(self):
         return [self.p2p] + ([self.group_allreduce] if self.group_allreduce is not None else [])
 
+    def _in_flight_peers(self, path):
+        return [r for b in path.in_flight for r in self._peers.get(b, ())] if path is self.p2p else []
+
     def wait_all(self):
         for path in self._paths():
-            with self._named(path):
+            with self._named(path, self._in_flight_peers(path)):
                 path.wait_all()
 
     def synchronize(self):
         for path in self._paths():
-            with self._named(path):
+            with self._named(path, self._in_flight_peers(path)):
                 path.synchronize()
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own, for the other ranks (see above)."""
+        self._reported = True
         if self._roster is not None:
             self._roster.report(text)
         if self.group_allreduce is not None:
