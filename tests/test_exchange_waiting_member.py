@@ -26,7 +26,8 @@ RANK2_EXITS_S = 0.3
 RANK1_LATE_S = 1.0
 
 
-def _member_left_waiting(rank, n, path, timeout):
+def _all_reduce(path, timeout):
+    """A function running one all-reduce of N elements over the 3 ranks on `path` (constructed here: collective)."""
     ga = GroupAllReduce([(0, 1, 2)], timeout=timeout) if path == "group" else None
     all_reduce = BoundedAllReduce(None, timeout=timeout) if path == "bounded" else None
     x = torch.ones(N)
@@ -37,7 +38,11 @@ def _member_left_waiting(rank, n, path, timeout):
             ga.wait(0)
         else:
             all_reduce(x, "the test's all-reduce")
+    return once
 
+
+def _member_left_waiting(rank, n, path, timeout):
+    once = _all_reduce(path, timeout)
     once()  # every rank joined: the data path from here on
     if rank == 2:
         time.sleep(RANK2_EXITS_S)
@@ -77,17 +82,7 @@ def test_a_member_left_waiting_for_a_failed_one_raises_and_is_not_blamed(path, t
 def _member_waiting_for_a_silent_one(rank, n, path):
     """Rank 2 is silent (it sleeps past everyone's timeout, then exits); rank 1 posts the all-reduce at once, rank 0
     a second later: rank 1 times out first, and rank 0, waiting for rank 2 too, learns it before its own timeout."""
-    ga = GroupAllReduce([(0, 1, 2)], timeout=3) if path == "group" else None
-    all_reduce = BoundedAllReduce(None, timeout=3) if path == "bounded" else None
-    x = torch.ones(N)
-
-    def once():
-        if ga is not None:
-            ga.exchange(0, x, [torch.empty(N)], group=(0, 1, 2))
-            ga.wait(0)
-        else:
-            all_reduce(x, "the test's all-reduce")
-
+    once = _all_reduce(path, 3)
     once()
     if rank == 2:
         time.sleep(8)
