@@ -153,3 +153,20 @@ def test_wait_watching_slices_asks_between_them_and_keeps_the_collectives_own_ou
     with pytest.raises(WaitTimedOut):
         wait_watching(_Work(), 0.8, lambda: {})
     assert 0.8 <= time.monotonic() - start < 0.8 + POLL_S
+
+
+def test_ctrl_c_between_slices_is_raised_once_the_collective_is_done():
+    """A KeyboardInterrupt between slices (here: while the store is asked) left the collective writing into tensors
+    its caller reuses at once (the next all-reduce of the bucket copies into the same buffer)."""
+    work, asked = _Work(done_after_waits=3), []
+
+    def interrupted():
+        asked.append(work.completed)
+        if len(asked) == 1:
+            raise KeyboardInterrupt
+        return {}
+
+    with pytest.raises(KeyboardInterrupt):
+        wait_watching(work, 10, interrupted)
+    assert work.completed and asked == [False, False, False], asked  # asked after each of the 3 slices
+

@@ -15,6 +15,7 @@ waiter stops too. Nothing extra happens while collectives finish within a slice;
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Callable, Dict, Optional
@@ -50,6 +51,18 @@ def wait_watching(work, seconds: Optional[float], failed_members: Callable[[], D
     ``WaitTimedOut`` once `seconds` passed (None: no bound), ``MembersFailed`` when `failed_members()` (asked after
     each slice in which the collective is still running) names members (``Roster.failed``)."""
     deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        return _slices(work, deadline, failed_members)
+    except KeyboardInterrupt:
+        # Ctrl-C (Python's default handler) lands between slices, with the collective still writing into its
+        # tensors, which the caller would reuse for its next one. So the interrupt waits, as it did for one
+        # unsliced wait: until the collective is done, fails, times out, or a member reports a failure.
+        with contextlib.suppress(Exception):
+            _slices(work, deadline, failed_members)
+        raise
+
+
+def _slices(work, deadline: Optional[float], failed_members: Callable[[], Dict[int, str]]):
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         piece = POLL_S if left is None else max(min(POLL_S, left), 0.001)
