@@ -97,8 +97,8 @@ def test_a_neighbours_neighbour_names_the_first_failure_not_the_rank_that_stoppe
     alive, timed out naming them, and nothing said rank 3: a rank's first point-to-point failure is reported too."""
     res = run_ranks(_second_hop, 4, linger, timeout=120)
     assert res[3] == "exited"
-    for rank in (0, 2):
-        assert "receive from rank 3" in res[rank] and "own before" not in res[rank], (rank, res[rank])
+    for rank in (0, 2):  # (either may quote rank 1's report too if it was descheduled through the other's exit)
+        assert "receive from rank 3" in res[rank], (rank, res[rank])
     first = re.search(r"(rank \d|ranks \[0, 2\]) raised an error of (its|their) own before \(the likely cause\): "
                       r"rank [02]: decent_comm exchange: bucket 0: receive from rank 3", res[1])
     assert first, res[1]

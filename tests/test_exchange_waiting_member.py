@@ -153,6 +153,8 @@ def test_wait_watching_slices_asks_between_them_and_keeps_the_collectives_own_ou
     with pytest.raises(WaitTimedOut):
         wait_watching(_Work(), 0.8, lambda: {})
     assert 0.8 <= time.monotonic() - start < 0.8 + POLL_S
+    asked.clear()  # a store that cannot tell (None) is not asked again in this wait: each failed call logs a trace
+    assert wait_watching(_Work(done_after_waits=4), 10, lambda: asked.append(1)) is True and len(asked) == 1
 
 
 def test_ctrl_c_between_slices_is_raised_once_the_collective_is_done():

@@ -15,7 +15,8 @@ all-reduce stays posted in the group, so a later one would be matched against it
 
 NCCL groups keep dist.all_reduce as it is (no bound here): bounding it would block the host on every call
 (WorkNCCL.wait with a timeout synchronizes), and NCCL's own watchdog already ends a collective stuck past the
-group's timeout. With timeout=None the call is plain dist.all_reduce too.
+group's timeout. With timeout=None on gloo the wait has no bound, but still goes in slices that look for a rank's
+failure report (exchange.watched_wait).
 
 Ranks out of step on these all-reduces (one rank stepped once more during the warm-up, called a utility alone,
 or averages GradScaler's overflow flag where another has no GradScaler) would pair tensors of different calls:

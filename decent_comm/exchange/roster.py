@@ -107,10 +107,11 @@ class Roster:
             "likely cause: it died, is stuck, or runs another schedule)" if absent else "") + (
             f"; which members failed too is unknown: {lost}" if lost else "")
 
-    def failed(self, g: Sequence[int]) -> Dict[int, str]:
+    def failed(self, g: Sequence[int]) -> Optional[Dict[int, str]]:
         """The other members of `g` that reported a failure (``blame``), each with "timeout" or "error": {} when
-        none did or the store cannot tell. One store call while no member of the namespace failed; asked by a member
-        still waiting for the collective (exchange.watched_wait), which else waits for the failed one to exit."""
+        none did, None when the store cannot tell. One store call while no member of the namespace failed; asked by
+        a member still waiting for the collective (exchange.watched_wait), which else waits for the failed one to
+        exit."""
         try:
             store = self._store()
             if store.add(f"{self.namespace}/failures", 0) == 0:
@@ -118,7 +119,7 @@ class Roster:
             keys = {r: f"{self.namespace}/failed/{r}" for r in g if r != self.rank}
             return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
         except dist.DistError:  # the store is gone: the wait goes on to its own error or timeout
-            return {}
+            return None
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own (its owner's words), where the other

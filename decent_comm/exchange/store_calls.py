@@ -16,8 +16,8 @@ the store's address and the seconds, which the callers' ``except dist.DistError`
 The call left behind still holds the client's connection (and its lock): until it returns, every later call raises
 the same error at once instead of queueing behind it.
 
-The calls happen at construction and on failures, never per step; the thread costs a fraction of a millisecond a
-call.
+The calls happen at construction, on failures, and once per 0.5 s of a gloo all-reduce that lasts longer than that
+(exchange.watched_wait), never per step otherwise; the thread costs a fraction of a millisecond a call.
 
 Exit: a call's thread is a daemon; blocked when the process exits, it dies with it. But a call that returns
 during the interpreter's finalization (the store answers late, or its host closes the connection) takes the GIL

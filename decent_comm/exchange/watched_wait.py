@@ -46,10 +46,11 @@ class MembersFailed(Exception):
                 "this rank waited for it")
 
 
-def wait_watching(work, seconds: Optional[float], failed_members: Callable[[], Dict[int, str]]):
+def wait_watching(work, seconds: Optional[float], failed_members: Callable[[], Optional[Dict[int, str]]]):
     """Returns work.wait()'s result (a gloo Work) once the collective completed, or raises its own error;
     ``WaitTimedOut`` once `seconds` passed (None: no bound), ``MembersFailed`` when `failed_members()` (asked after
-    each slice in which the collective is still running) names members (``Roster.failed``)."""
+    each slice in which the collective is still running) names members (``Roster.failed``); once it returns None
+    (the store cannot tell) it is not asked again in this wait."""
     deadline = None if seconds is None else time.monotonic() + seconds
     try:
         return _slices(work, deadline, failed_members)
@@ -62,7 +63,8 @@ def wait_watching(work, seconds: Optional[float], failed_members: Callable[[], D
         raise
 
 
-def _slices(work, deadline: Optional[float], failed_members: Callable[[], Dict[int, str]]):
+def _slices(work, deadline: Optional[float], failed_members: Callable[[], Optional[Dict[int, str]]]):
+    asking = True  # until the store fails: a dead store fails each call at once, and c10d logs a stack trace for it
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         piece = POLL_S if left is None else max(min(POLL_S, left), 0.001)
@@ -73,6 +75,8 @@ def _slices(work, deadline: Optional[float], failed_members: Callable[[], Dict[i
                 return work.wait()
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimedOut()
-        failed = failed_members()
-        if failed:
+        failed = failed_members() if asking else {}
+        if failed is None:
+            asking = False
+        elif failed:
             raise MembersFailed(failed)
