@@ -199,11 +199,10 @@ class BoundedAllReduce:
             dist.all_reduce(tensor, group=self.group)
             return
         started = time.monotonic()
-        everyone = list(range(self.world_size))
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         first = None  # MembersFailed: members failed while this rank still waited (watched_wait)
         try:
-            if wait_watching(work, self.timeout, lambda: self._roster.failed(everyone)) is not False:
+            if wait_watching(work, self.timeout, lambda: self._roster.failed(range(self.world_size))) is not False:
                 del work
                 now = time.monotonic()
                 self.prune(now)
@@ -216,6 +215,7 @@ class BoundedAllReduce:
             first, detail = e, ""
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
             detail = str(e)
+        everyone = list(range(self.world_size))
         if first is not None:  # a timeout of theirs is this rank's too: it waits for the same silent member
             error = (ExchangeTimeout if first.timed_out else ExchangeError)(
                 f"decent_comm: {what}: the all-reduce over ranks {everyone} {first.words()}"

@@ -112,14 +112,8 @@ class Roster:
         none did, None when the store cannot tell. One store call while no member of the namespace failed; asked by
         a member still waiting for the collective (exchange.watched_wait), which else waits for the failed one to
         exit."""
-        try:
-            store = self._store()
-            if store.add(f"{self.namespace}/failures", 0) == 0:
-                return {}
-            keys = {r: f"{self.namespace}/failed/{r}" for r in g if r != self.rank}
-            return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        except dist.DistError:  # the store is gone: the wait goes on to its own error or timeout
-            return None
+        marks, lost = self._marks("failures", "failed", g)
+        return None if lost else marks  # None: the store is gone, and the wait goes on to its own error or timeout
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own (its owner's words), where the other
@@ -135,11 +129,17 @@ class Roster:
     def _reports(self, g: Sequence[int]) -> Tuple[Dict[int, str], str]:
         """The errors the other members of `g` reported ({} when none did), and "" or the store's error when it could
         not be read."""
+        return self._marks("reports", "report", g)
+
+    def _marks(self, count: str, key: str, g: Sequence[int]) -> Tuple[Dict[int, str], str]:
+        """What the other members of `g` left under `key`/<rank> ({} when none did), and "" or the store's error when
+        it could not be read. Every writer adds 1 to `count`: while it is 0 (no member of the namespace wrote), one
+        store call answers."""
         try:
             store = self._store()
-            if store.add(f"{self.namespace}/reports", 0) == 0:
+            if store.add(f"{self.namespace}/{count}", 0) == 0:
                 return {}, ""
-            keys = {r: f"{self.namespace}/report/{r}" for r in g if r != self.rank}
+            keys = {r: f"{self.namespace}/{key}/{r}" for r in g if r != self.rank}
             return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}, ""
         except dist.DistError as e:
             return {}, str(e)
