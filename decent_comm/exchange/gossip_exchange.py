@@ -18,7 +18,7 @@ with this rank fails next names the rank that failed first, not this one.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,26 +41,25 @@ class GossipExchange:
             self.group_allreduce: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
                                                      if groups else None)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
-        self._peers: Dict[int, Sequence[int]] = {}  # bucket -> the ranks of its last point-to-point exchange
+        self._peers: Dict[int, Sequence[int]] = {}  # p2p bucket in flight -> the ranks it exchanges with
         # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
         # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
         self.error: Optional[ExchangeError] = None
         self._reported = False  # an error of this rank is in the store already (report: the first one stays)
 
     @contextlib.contextmanager
-    def _named(self, path=None, peers: Iterable[int] = ()):
+    def _named(self, path=None, peers: Callable[[], Iterable[int]] = tuple):
         """Errors name the ranks of the process group; on a subgroup they also say which global ranks those are.
-        A failed point-to-point transfer (`path` the Exchanger, with `peers`) also names the errors those peers
-        reported (the group all-reduce's own errors do: roster.blame); a rank that failed at the same moment on
-        a peer of its own, not one of these, is not news to this error."""
-        peers = sorted(set(peers))  # now: the caller's generator may look at state the call changes
+        A failed point-to-point transfer (`path` the Exchanger) also names the errors its peers (`peers()`, asked on
+        failure only) reported (the group all-reduce's own errors do: roster.blame); a rank that failed at the same
+        moment on a peer of its own, not one of these, is not news to this error."""
         try:
             yield
         except (ExchangeError, ValueError) as e:
             if path is self.p2p and isinstance(e, ExchangeError) and self._roster is not None and \
                     len(e.args) == 1 and isinstance(e.args[0], str):
                 own = e.args[0]
-                e.args = (own + self._roster.told(peers),)
+                e.args = (own + self._roster.told(sorted(set(peers()))),)
                 if self.error is None and not self._reported:
                     # A neighbour's failure stops this rank's transfers with its other neighbours: theirs then fail
                     # on this rank ("receive from rank 0 ... failed") and name the first failure by its words.
@@ -82,31 +81,35 @@ class GossipExchange:
                 self.group_allreduce.exchange(bucket, send, recvs, group)
             self._route[bucket] = self.group_allreduce
         else:
-            self._peers[bucket] = list(send_to) + list(recv_from)
-            with self._named(self.p2p, self._peers[bucket]):
+            peers = list(send_to) + list(recv_from)
+            with self._named(self.p2p, lambda: peers):
                 self.p2p.exchange(bucket, send, list(recvs), list(send_to), list(recv_from))
             self._route[bucket] = self.p2p
+            self._peers[bucket] = peers
 
     def wait(self, bucket: int):
         path = self._route.get(bucket) or self.p2p
-        with self._named(path, self._peers.get(bucket, ())):
+        with self._named(path, lambda: self._peers.get(bucket, ())):
             path.wait(bucket)  # an unknown bucket: the Exchanger's error names it
+        self._peers.pop(bucket, None)
 
     def _paths(self):
         return [self.p2p] + ([self.group_allreduce] if self.group_allreduce is not None else [])
 
-    def _in_flight_peers(self, path):
-        return [r for b in path.in_flight for r in self._peers.get(b, ())] if path is self.p2p else []
+    def _in_flight_peers(self):
+        return [r for peers in self._peers.values() for r in peers]
 
     def wait_all(self):
         for path in self._paths():
-            with self._named(path, self._in_flight_peers(path)):
+            with self._named(path, self._in_flight_peers):
                 path.wait_all()
+        self._peers.clear()
 
     def synchronize(self):
         for path in self._paths():
-            with self._named(path, self._in_flight_peers(path)):
+            with self._named(path, self._in_flight_peers):
                 path.synchronize()
+        self._peers.clear()
 
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own, for the other ranks (see above)."""
