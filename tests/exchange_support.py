@@ -11,6 +11,8 @@ import traceback
 import pytest
 import torch
 
+from decent_comm.exchange import GossipExchange
+
 from dist_utils import run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -160,3 +162,20 @@ class Suite:
                 pytest.fail(f"rank {rank}, part {name!r} of the world-size-{world_size} suite:\n{value}")
             values.append(value)
         return values
+
+
+class Ring:
+    """A GossipExchange over a point-to-point ring of `n` (default group, CPU) and its step: bucket 0, 100 elements,
+    to and from both neighbours. `post()` issues it, `ring()` issues and waits for it."""
+
+    def __init__(self, rank, n, timeout):
+        self.ex = GossipExchange(None, torch.device("cpu"), timeout=timeout)
+        self.x = torch.ones(100)
+        self.peers = [(rank - 1) % n, (rank + 1) % n]
+
+    def post(self):
+        self.ex.exchange(0, self.x, [torch.empty(100), torch.empty(100)], send_to=self.peers, recv_from=self.peers)
+
+    def __call__(self):
+        self.post()
+        self.ex.wait(0)

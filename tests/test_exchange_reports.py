@@ -12,6 +12,7 @@ from decent_comm.exchange import BoundedAllReduce, ExchangeError, GossipExchange
 from decent_comm.exchange.roster import BLAME_GRACE_S
 
 from dist_utils import exit_now, run_ranks
+from exchange_support import Ring
 
 WORDS = "the owner's own words for why rank 2 stopped"
 TIMEOUT_S = 3
@@ -69,14 +70,7 @@ def test_an_unreported_exit_is_still_taken_for_a_dead_rank(path):
 def _second_hop(rank, n, linger):
     """A 4-rank point-to-point ring: rank 3 exits; ranks 0 and 2 fail on it, then exit (or live on for `linger` s, a
     script saving a checkpoint); rank 1, a neighbour of neither failure, fails on them next."""
-    ex = GossipExchange(None, torch.device("cpu"), timeout=TIMEOUT_S)
-    x = torch.ones(100)
-    left, right = (rank - 1) % n, (rank + 1) % n
-
-    def step():
-        ex.exchange(0, x, [torch.empty(100), torch.empty(100)], send_to=[left, right], recv_from=[left, right])
-        ex.wait(0)
-
+    step = Ring(rank, n, TIMEOUT_S)
     step()
     if rank == 3:
         exit_now("exited")

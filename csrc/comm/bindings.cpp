@@ -51,7 +51,15 @@ void register_comm_bindings(py::module& m) {
   register_exceptions(m);
 
   py::class_<Transport, std::shared_ptr<Transport>>(m, "_Transport", "A transport of the exchange engine")
-      .def_property_readonly("name", [](const Transport& t) { return std::string(t.name()); });
+      .def_property_readonly("name", [](const Transport& t) { return std::string(t.name()); })
+      // For a watcher thread (transport.h): an interrupted wait raises in the Exchanger's call, which then fails
+      // as on any transport error. The Exchanger's own lock is not taken: the blocked call holds it.
+      .def_property_readonly("_wait_generation", &Transport::wait_generation,
+                             "host-blocking waits begun plus ended (odd while one runs)")
+      .def("_waiting_peers", &Transport::waiting_peers, Release(), "the ranks the running wait waits for")
+      .def("_interrupt", &Transport::interrupt, py::arg("generation"), py::arg("reason"), py::arg("timed_out"),
+           Release(), "if the wait of `generation` still runs: it raises `reason` (an ExchangeTimeout when "
+           "timed_out); returns whether it did");
 
   m.def(
       "_process_group_transport",
@@ -92,6 +100,7 @@ void register_comm_bindings(py::module& m) {
            "wait_all(), then block the host until every transfer has completed")
       .def("shutdown", &Exchanger::shutdown, Release(),
            "Finish everything and release the transport (idempotent; aborts instead after an error)")
+
       .def_property_readonly("rank", &Exchanger::rank)
       .def_property_readonly("world_size", &Exchanger::world_size)
       .def_property_readonly("transport", &Exchanger::transport_name, "'nccl' or 'process_group'")

@@ -198,6 +198,7 @@ bool ProcessGroupTransport::wait_one(const c10::intrusive_ptr<c10d::Work>& work,
   // Backends whose Work::wait ignores a timeout: poll, spinning briefly (transfers of small buckets finish
   // in microseconds) and then sleeping, until completion or the deadline.
   for (int polls = 0; !work->isCompleted(); ++polls) {
+    if (interrupted_.load(std::memory_order_relaxed)) return false;
     if (Clock::now() >= deadline) {
       throw std::runtime_error(backend_->getBackendName() + " operation not completed by the deadline");
     }
@@ -219,9 +220,53 @@ bool ProcessGroupTransport::finished_soon(const c10::intrusive_ptr<c10d::Work>& 
   }
 }
 
+void ProcessGroupTransport::set_waiting(const std::vector<PgPending>* pending) const {
+  std::lock_guard<std::mutex> lock(interrupt_mu_);
+  waiting_ = pending;
+  interrupted_.store(false, std::memory_order_relaxed);
+  wait_generation_.fetch_add(1, std::memory_order_release);
+}
+
+std::vector<int64_t> ProcessGroupTransport::waiting_peers() const {
+  std::lock_guard<std::mutex> lock(interrupt_mu_);
+  std::vector<int64_t> peers;
+  if (waiting_ != nullptr) {
+    for (const PgPending& p : *waiting_) {
+      if (std::find(peers.begin(), peers.end(), p.op.peer) == peers.end()) peers.push_back(p.op.peer);
+    }
+  }
+  return peers;
+}
+
+bool ProcessGroupTransport::interrupt(uint64_t generation, const std::string& reason, bool timed_out) {
+  std::lock_guard<std::mutex> lock(interrupt_mu_);
+  // Under the lock that begins and ends waits: an interrupt meant for a wait that has ended stops no later one.
+  if (waiting_ == nullptr || wait_generation_.load(std::memory_order_relaxed) != generation) return false;
+  interrupt_reason_ = reason;
+  interrupt_timed_out_ = timed_out;
+  interrupted_.store(true, std::memory_order_relaxed);
+  if (bounded_wait_) {
+    // gloo: each aborted send/recv's wait returns false at once, the one blocked now included (its
+    // UnboundBuffer's abortWait flag); the transfers themselves stay posted, and the failed exchange keeps their
+    // buffers alive (PgSlot). A timed-out gloo wait would instead fail every pair of the process group.
+    for (const PgPending& p : *waiting_) {
+      try {
+        p.work->abort();
+      } catch (const std::exception&) {  // a Work that cannot abort: its wait runs on to its deadline
+      }
+    }
+  }
+  return true;
+}
+
 void ProcessGroupTransport::wait_all(const std::vector<PgPending>& pending, int64_t bucket,
                                      Clock::time_point deadline, std::chrono::milliseconds timeout,
                                      const char* stage) const {
+  set_waiting(&pending);
+  struct Done {
+    const ProcessGroupTransport& t;
+    ~Done() { t.set_waiting(nullptr); }
+  } done{*this};
   for (size_t i = 0; i < pending.size(); ++i) {
     const PgPending& p = pending[i];
     std::string detail;
@@ -230,6 +275,13 @@ void ProcessGroupTransport::wait_all(const std::vector<PgPending>& pending, int6
       detail = "the operation was aborted";
     } catch (const std::exception& e) {
       detail = e.what();
+    }
+    if (interrupted_.load(std::memory_order_relaxed)) {  // by interrupt(): its reason, not the abort, is the error
+      std::lock_guard<std::mutex> lock(interrupt_mu_);
+      const std::string what = "decent_comm exchange: bucket " + std::to_string(bucket) + ": " + stage +
+                               "stopped waiting for " + describe(p.op) + ": " + interrupt_reason_;
+      if (interrupt_timed_out_) throw ExchangeTimeoutError(what);
+      throw ExchangeError(what);
     }
     detail = stage + detail;
     // Failed. At (or past) the deadline it is a timeout: name every peer still unfinished, probing the

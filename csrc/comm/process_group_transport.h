@@ -9,6 +9,10 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
+#include <mutex>
+#include <string>
+
 #include "transport.h"
 
 #pragma GCC visibility push(hidden)  // see transport.h
@@ -44,6 +48,11 @@ class ProcessGroupTransport final : public Transport {
   void wait(TransportSlot& slot) override;
   void synchronize() override {}  // wait() already blocked until every transfer completed
   void abort() noexcept override {}  // nothing to stop; unfinished slots keep their buffers alive
+  uint64_t wait_generation() const override { return wait_generation_.load(std::memory_order_acquire); }
+  std::vector<int64_t> waiting_peers() const override;
+  // Aborts the operations the running wait blocks on (gloo: Work::abort() wakes a waiting send/recv, which then
+  // returns false; other backends are polled and see the flag), and that wait raises `reason`.
+  bool interrupt(uint64_t generation, const std::string& reason, bool timed_out) override;
   // Everything completed: drop our references to the group (it belongs to the caller). Held on, they would
   // keep the gloo backend and its worker threads alive after dist.destroy_process_group() for as long as
   // the Exchanger lives (an optimizer in a reference cycle: until the interpreter's final GC), and a gloo
@@ -65,6 +74,8 @@ class ProcessGroupTransport final : public Transport {
   bool wait_one(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline) const;
   // For a timeout message: did this operation finish (probed for at most ~1 ms)?
   bool finished_soon(const c10::intrusive_ptr<c10d::Work>& work) const;
+  // Registers `pending` as what interrupt() aborts (nullptr: the wait ended, an interrupt now stops nothing).
+  void set_waiting(const std::vector<PgPending>* pending) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive (until shutdown())
   c10::intrusive_ptr<c10d::Backend> backend_;
@@ -78,6 +89,14 @@ class ProcessGroupTransport final : public Transport {
   bool bounded_wait_;
   std::chrono::milliseconds default_timeout_;
   std::vector<at::Tensor> one_;  // the one-tensor list c10d's send/recv take by reference, reused
+  // What a wait blocks on right now and an interrupt()'s words for it: written by the waiting thread (under the
+  // lock) and by interrupt() from another thread; `interrupted_` is also read without the lock by the polling wait.
+  mutable std::mutex interrupt_mu_;
+  mutable const std::vector<PgPending>* waiting_ = nullptr;
+  mutable std::atomic<uint64_t> wait_generation_{0};  // written under the lock
+  mutable std::atomic<bool> interrupted_{false};
+  mutable std::string interrupt_reason_;
+  mutable bool interrupt_timed_out_ = false;
 };
 
 }  // namespace decent_comm::comm

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "errors.h"
@@ -97,6 +98,15 @@ class Transport {
   virtual void synchronize() = 0;
   // Raises a failure detected asynchronously (a watchdog's timeout, a communicator's async error).
   virtual void check() {}
+  // For a watcher on another thread (decent_comm.exchange.peer_watch), which can learn another way that a peer
+  // stopped for good (it reported its own failure through the store) where the transport itself would only tell at
+  // the deadline. wait_generation(): how many host-blocking waits (wait(), swap_headers()) began plus how many
+  // ended, so odd while one runs; waiting_peers(): the ranks that one waits for; interrupt(generation, ...): if the
+  // wait of that generation is still running, makes it stop and raise ExchangeError (ExchangeTimeoutError when
+  // `timed_out`) with `reason`, and returns true. Transports whose waits do not block the host keep these defaults.
+  virtual uint64_t wait_generation() const { return 0; }
+  virtual std::vector<int64_t> waiting_peers() const { return {}; }
+  virtual bool interrupt(uint64_t /*generation*/, const std::string& /*reason*/, bool /*timed_out*/) { return false; }
   // After a failure: stop everything without waiting for peers. Memory a transfer may still touch is kept.
   virtual void abort() noexcept = 0;
   // Orderly teardown once everything completed (after synchronize()).

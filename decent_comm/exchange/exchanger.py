@@ -160,6 +160,8 @@ class Exchanger(_C._Exchanger):
         if use_nccl:  # collective itself, so only once every rank is known to get here
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
         super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)
+        self._transport = transport  # its waits, for a watch (watch_peers)
+        self._peer_watch = None
         self.process_group = group
         self._store_namespace = namespace  # this construction's keys (GossipExchange's roster), the same on all ranks
         _closing.track(self)  # closed when collected or at exit if nobody shut it down (see _closing)
@@ -175,8 +177,18 @@ class Exchanger(_C._Exchanger):
         """Completes what is in flight and releases the transport (idempotent; after an error it aborts
         instead). The process group is no longer referenced afterwards, so dist.destroy_process_group()
         can really destroy it (and join its backend's threads) while this object lives on."""
-        super().shutdown()
+        try:
+            super().shutdown()
+        finally:
+            if self._peer_watch is not None:
+                self._peer_watch.close()
+                self._peer_watch = None
         self.process_group = None
+
+    def watch_peers(self, watch):
+        """Keeps `watch` (exchange.peer_watch.PeerWatch, over this exchanger's transport) for as long as this
+        exchanger can wait, the drain at exit or on collection included, and closes it at shutdown."""
+        self._peer_watch = watch
 
     def __enter__(self) -> "Exchanger":
         return self

@@ -13,7 +13,9 @@ group), in this order on every rank.
 whose transfer or all-reduce then fails because this one stopped names that error (exchange.roster) instead of
 taking this rank for dead. The point-to-point errors come from the C++ transport, so their words are added here;
 the first of them is reported too (unless the owner reported one), so that a neighbour's neighbour whose transfer
-with this rank fails next names the rank that failed first, not this one.
+with this rank fails next names the rank that failed first, not this one; and marked (``Roster.mark_failed``), so
+that a rank whose point-to-point wait on this one blocks while this process lives on stops waiting within about a
+second (exchange.peer_watch) instead of at its timeout.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .arrival import in_global_ranks
-from .exchanger import ExchangeError, Exchanger
+from .exchanger import ExchangeError, ExchangeTimeout, Exchanger
 from .group_allreduce import GroupAllReduce
+from .peer_watch import PeerWatch
 from .roster import Roster
 
 
@@ -46,6 +49,10 @@ class GossipExchange:
         # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
         self.error: Optional[ExchangeError] = None
         self._reported = False  # an error of this rank is in the store already (report: the first one stays)
+        if self._roster is not None and self.p2p.transport == "process_group":
+            # gloo's transfers wait in C++ up to their deadline: meanwhile, a peer that stopped is looked for
+            # (peer_watch), for as long as the Exchanger can wait (its drain at exit too: it closes the watch)
+            self.p2p.watch_peers(PeerWatch(self.p2p._transport, self._roster.failed))
 
     @contextlib.contextmanager
     def _named(self, path=None, peers: Callable[[], Iterable[int]] = tuple):
@@ -60,10 +67,13 @@ class GossipExchange:
                     len(e.args) == 1 and isinstance(e.args[0], str):
                 own = e.args[0]
                 e.args = (own + self._roster.told(sorted(set(peers()))),)
-                if self.error is None and not self._reported:
+                if self.error is None:
                     # A neighbour's failure stops this rank's transfers with its other neighbours: theirs then fail
-                    # on this rank ("receive from rank 0 ... failed") and name the first failure by its words.
-                    self.report(own)
+                    # on this rank ("receive from rank 0 ... failed") and name the first failure by its words, or
+                    # stop waiting for it at once (the mark: peer_watch) if it lives on.
+                    if not self._reported:
+                        self.report(own)
+                    self._roster.mark_failed(timed_out=isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -141,7 +151,9 @@ class GossipExchange:
         first = None
         for path in self._paths():
             try:
-                path.shutdown()
+                # The p2p drain fails like a wait (named, reported and marked: a peer waiting for this rank stops too)
+                with self._named(path, self._in_flight_peers) if path is self.p2p else contextlib.nullcontext():
+                    path.shutdown()
             except Exception as e:  # noqa: BLE001 - release the other path before raising
                 first = first or e
         if first is not None:

@@ -1,7 +1,8 @@
 """What ranks tell each other through the default group's store, beside their collectives: a bucket's size and
 dtype before a group's first all-reduce of it (``agree``, for GroupAllReduce), once a collective failed, which
-members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce), so that an error can name the
-rank that is dead or stuck and not only the group, which member sent non-finite values into a sum
+members saw the failure too (``blame``, for GroupAllReduce and BoundedAllReduce; ``mark_failed`` for GossipExchange's
+point-to-point failures, exchange.peer_watch), so that an error can name the rank that is dead or stuck and not only
+the group, and a member left waiting for a failed one stops too, which member sent non-finite values into a sum
 (``flag``/``flagged``, for check_finite), which the sum itself cannot tell, and the error a member raised of its own
 (``report``: its owner's words, e.g. check_finite's), so that a member whose collective or transfer then fails
 because that one stopped names that error, not a dead peer (``blame``, ``told``). Every store call is held to a
@@ -88,8 +89,7 @@ class Roster:
         try:
             if lost:  # the store failed already: each later call would fail too (at once, when it stopped answering)
                 raise dist.DistStoreError(lost)
-            store.set(f"{self.namespace}/failed/{self.rank}", "timeout" if timed_out else "error")
-            store.add(f"{self.namespace}/failures", 1)  # one look tells a waiting member (``failed``) to stop
+            self._mark(store, timed_out)
             if others:
                 try:
                     store.wait([f"{self.namespace}/failed/{r}" for r in others],
@@ -107,11 +107,23 @@ class Roster:
             "likely cause: it died, is stuck, or runs another schedule)" if absent else "") + (
             f"; which members failed too is unknown: {lost}" if lost else "")
 
+    def mark_failed(self, timed_out: bool = False):
+        """Marks that this rank failed and stops exchanging (`timed_out`: its wait ran out, else its transport failed)
+        for the members still waiting for it (``failed``; exchange.peer_watch). On the failure path only."""
+        try:
+            self._mark(self._store(), timed_out)
+        except dist.DistError:  # the store is gone: those waiting then wait for their own error or timeout
+            pass
+
+    def _mark(self, store, timed_out: bool):
+        store.set(f"{self.namespace}/failed/{self.rank}", "timeout" if timed_out else "error")
+        store.add(f"{self.namespace}/failures", 1)  # one look tells a waiting member (``failed``) to stop
+
     def failed(self, g: Sequence[int]) -> Optional[Dict[int, str]]:
         """The other members of `g` that reported a failure (``blame``), each with "timeout" or "error": {} when
         none did, None when the store cannot tell. One store call while no member of the namespace failed; asked by
-        a member still waiting for the collective (exchange.watched_wait), which else waits for the failed one to
-        exit."""
+        a member still waiting for the collective (exchange.watched_wait) or transfer (exchange.peer_watch), which
+        else waits for the failed one to exit."""
         marks, lost = self._marks("failures", "failed", g)
         return None if lost else marks  # None: the store is gone, and the wait goes on to its own error or timeout
 

@@ -1,0 +1,196 @@
+"""A point-to-point wait (gloo) stops once a peer it waits for marked that it failed, instead of waiting out its whole
+timeout while that peer lives on (exchange.peer_watch): on real ranks (a dead neighbour's neighbours, also further
+along a ring; a silent one's), and the watch's looks on fakes."""
+import gc
+import re
+import time
+
+import pytest
+import torch
+
+from decent_comm.exchange import ExchangeError
+from decent_comm.exchange import peer_watch
+from decent_comm.exchange.peer_watch import PeerWatch
+
+from dist_utils import exit_now, run_ranks
+from exchange_support import Ring
+
+TIMEOUT_S = 20  # what a rank left waiting would wait for without the watch
+LINGER_S = 12   # how long a failed rank lives on (saving a checkpoint): past the survivors' errors, short of TIMEOUT_S
+
+
+def _ring(rank, n, quiet, timeouts, drop=None):
+    """A point-to-point ring of `n`: rank 3 exits (`quiet`: stays alive and stops exchanging); its neighbours fail on
+    it and live on for LINGER_S; every other rank's next wait is on a rank that stopped (`drop`: rank 1's is the
+    drain of its "shutdown" or of the exchange it "drop"s). Returns (the error's class and words, or "dropped",
+    seconds from the last completed step to the error)."""
+    step = Ring(rank, n, timeouts.get(rank, TIMEOUT_S))
+    step()
+    if rank == 3:
+        if not quiet:
+            exit_now(("exited", 0.0))
+        time.sleep(TIMEOUT_S + LINGER_S)
+        return "silent", 0.0
+    start = time.monotonic()
+    try:
+        if drop and rank == 1:
+            step()  # the step in which ranks 0 and 2 fail completes here (their sends were posted)
+            step.post()
+            start = time.monotonic()
+            if drop == "shutdown":
+                step.ex.shutdown()
+            else:  # its drain on collection (exchange._closing), as at exit
+                step.ex = None
+                gc.collect()
+            result = ("dropped" if drop == "drop" else "no error", time.monotonic() - start)
+        else:
+            for _ in range(n):  # the first failures are in the first; each hop further fails a step later at most
+                step()
+                start = time.monotonic()
+            result = ("no error", 0.0)
+    except ExchangeError as exc:
+        result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+    time.sleep(LINGER_S)
+    return result
+
+
+def test_a_dead_neighbours_neighbour_stops_waiting_for_the_ranks_that_failed_on_it():
+    """4 ranks: ranks 0 and 2 fail on rank 3's exit and live on; rank 1 stopped waiting for them within about a look
+    (it waited its whole 20 s timeout before), named them and, through their reports, rank 3."""
+    res = run_ranks(_ring, 4, False, {}, timeout=150)
+    assert res[3][0] == "exited"
+    for rank in (0, 2):
+        assert res[rank][0].startswith("ExchangeError: ") and "receive from rank 3" in res[rank][0], res[rank]
+    words, waited = res[1]
+    assert words.startswith("ExchangeError: "), words  # the peers' transports failed: no timeout anywhere
+    assert re.search(r"stopped waiting for (receive from|send to) rank [02]: (rank [02]|ranks \[0, 2\]) failed first "
+                     r"and stopped exchanging, while this rank waited for it", words), words
+    assert re.search(r"raised an error of (its|their) own before \(the likely cause\): rank [02]: decent_comm "
+                     r"exchange: bucket 0: receive from rank 3", words), words
+    assert waited < TIMEOUT_S / 2, waited
+
+
+def test_the_drain_of_a_dropped_exchange_is_watched_too():
+    """Rank 1 drops an exchange with a bucket in flight (as at exit, or an optimizer collected unclosed): its drain
+    (exchange._closing) waited for ranks 0 and 2 until they exited; it stops like a step's wait."""
+    res = run_ranks(_ring, 4, False, {}, "drop", timeout=150)
+    assert res[1][0] == "dropped" and res[1][1] < TIMEOUT_S / 2, res[1]
+    for rank in (0, 2):
+        assert "receive from rank 3" in res[rank][0], res[rank]
+
+
+def test_shutdown_stops_waiting_and_names_the_failure_like_a_step():
+    """shutdown() drains what is in flight: stopped like a step's wait, and its error named in the same words."""
+    res = run_ranks(_ring, 4, False, {}, "shutdown", timeout=150)
+    words, waited = res[1]
+    assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, words
+    assert "raised an error of" in words and "receive from rank 3" in words, words
+    assert waited < TIMEOUT_S / 2, waited
+
+
+def test_a_stop_spreads_along_the_ring():
+    """6 ranks: rank 0 is three hops from rank 3, its neighbours 1 and 5 stop waiting because 2 and 4 stopped, and
+    rank 0 because they did: every survivor's error comes well inside the timeout, although all live on."""
+    res = run_ranks(_ring, 6, False, {}, timeout=150)
+    for rank in (0, 1, 5):
+        words, waited = res[rank]
+        assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, res[rank]
+        assert waited < TIMEOUT_S / 2, (rank, waited)
+    assert "receive from rank 3" in res[2][0] and "receive from rank 3" in res[4][0], res
+
+
+def test_a_silent_neighbours_neighbour_does_not_wait_out_its_own_timeout():
+    """Rank 3 stays alive and stops exchanging; ranks 0 and 2 time out on it after 3 s and live on. Rank 1, with a
+    20 s timeout, raises soon after theirs. (gloo itself tells it here: a gloo transfer that times out fails every
+    connection of its process group, so rank 1's receive from rank 0 fails at once; the watch's timeout verdict is for
+    the backends that do not, and is checked on a fake below.)"""
+    res = run_ranks(_ring, 4, True, {0: 3, 2: 3}, timeout=150)
+    for rank in (0, 2):
+        assert res[rank][0].startswith("ExchangeTimeout: ") and "rank 3" in res[rank][0], res[rank]
+    words, waited = res[1]
+    assert words.startswith(("ExchangeError: ", "ExchangeTimeout: ")) and re.search(r"rank [02]", words), words
+    assert waited < TIMEOUT_S / 2, waited
+
+
+class _Transport:
+    """What a PeerWatch reads and calls (a transport's _wait_generation, _waiting_peers, _interrupt), with the
+    store's answers (`failed`) given in advance; records what it was asked."""
+
+    def __init__(self, failed, peers=(2, 0)):
+        self.answers, self.peers = list(failed), list(peers)
+        self._wait_generation = 0
+        self.asked, self.interrupts = [], []
+
+    def _waiting_peers(self):
+        return self.peers
+
+    def _interrupt(self, generation, reason, timed_out):
+        self.interrupts.append((generation, reason, timed_out))
+        return generation == self._wait_generation
+
+    def failed(self, peers):
+        self.asked.append(list(peers))
+        return self.answers.pop(0)
+
+
+def _watch(transport):
+    w = PeerWatch(transport, transport.failed)
+    w.close()  # looked at by hand here, not by the thread
+    return w
+
+
+def test_a_wait_is_asked_about_only_once_it_ran_since_the_previous_look():
+    t = _Transport([{}, {0: "error", 2: "timeout"}])
+    w = _watch(t)
+    w.look()  # no wait
+    t._wait_generation += 1
+    w.look()  # running since less than a look
+    assert t.asked == []
+    w.look()
+    assert t.asked == [[0, 2]] and t.interrupts == []
+    t._wait_generation += 2  # that wait ended, another one began
+    w.look()
+    assert t.asked == [[0, 2]]
+    w.look()
+    assert t.interrupts == [(3, "ranks [0, 2] timed out first and stopped exchanging, while this rank waited for it",
+                             True)]
+
+
+def test_a_store_that_cannot_tell_is_not_asked_again_in_that_wait():
+    t = _Transport([None, {1: "error"}], peers=[1])
+    w = _watch(t)
+    t._wait_generation += 1
+    w.look(), w.look(), w.look()
+    assert t.asked == [[1]]
+    t._wait_generation += 2
+    w.look(), w.look()
+    assert t.interrupts == [(3, "rank 1 failed first and stopped exchanging, while this rank waited for it", False)]
+
+
+def test_the_interrupt_names_the_wait_it_was_asked_about():
+    """The wait may end while the store is asked: the interrupt carries that wait's generation, and the transport
+    interrupts only the wait of that generation (checked on real ranks by the tests above; here: what is passed)."""
+    t = _Transport([{1: "error"}], peers=[1])
+    w = _watch(t)
+    t._wait_generation = 5
+    w.look()
+
+    def failed_as_the_wait_ends(peers):
+        t._wait_generation += 2  # ended, and the next one began
+        return {1: "error"}
+
+    w._failed = failed_as_the_wait_ends
+    w.look()
+    assert [g for g, _, _ in t.interrupts] == [5]
+
+
+def test_the_thread_ends_when_the_last_open_exchanger_closes():
+    """shutdown() of the last exchanger ends the thread before it returns (tests/test_exit.py counts the threads left
+    after destroy_process_group()); one exchanger still open keeps it."""
+    a, b = PeerWatch(_Transport([]), dict), PeerWatch(_Transport([]), dict)
+    thread = peer_watch._thread
+    assert thread is not None and thread.is_alive()
+    a.close()
+    assert thread.is_alive() and peer_watch._thread is thread
+    b.close()
+    assert not thread.is_alive() and peer_watch._thread is None
