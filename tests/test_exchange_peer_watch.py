@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import decent_comm
 from decent_comm.exchange import ExchangeError
 from decent_comm.exchange import peer_watch
 from decent_comm.exchange.peer_watch import PeerWatch
@@ -109,6 +110,43 @@ def test_a_silent_neighbours_neighbour_does_not_wait_out_its_own_timeout():
         assert res[rank][0].startswith("ExchangeTimeout: ") and "rank 3" in res[rank][0], res[rank]
     words, waited = res[1]
     assert words.startswith(("ExchangeError: ", "ExchangeTimeout: ")) and re.search(r"rank [02]", words), words
+    assert waited < TIMEOUT_S / 2, waited
+
+
+def _nan_on_a_ring(rank, n):
+    """DSGD on a point-to-point ring of 4 with check_finite: rank 2's loss is NaN at step 3; ranks 1 and 3 receive
+    its values and raise; rank 0, a neighbour of neither rank 2 nor its exit, waits for them next. Every rank lives on
+    for LINGER_S after its error (a checkpoint saved in an except: clause)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", exchange="p2p", check_finite=True,
+                           timeout=TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        for t in range(6):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            (loss * float("nan") if rank == 2 and t == 3 else loss).backward()
+            start = time.monotonic()
+            opt.step()
+        opt.synchronize()
+        result = ("no error", 0.0)
+    except RuntimeError as exc:
+        result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+    time.sleep(LINGER_S)
+    return result
+
+
+def test_a_rank_that_raised_for_non_finite_values_is_not_waited_for():
+    """Ranks 1 and 3 raise for the non-finite values they received and live on; rank 0 waited for them until they
+    exited (LINGER_S) and now stops within about a look, quoting their errors (check_finite's mark: finite_check)."""
+    res = run_ranks(_nan_on_a_ring, 4, timeout=150)
+    assert "rank 2: the parameters of bucket(s) [0] are not finite" in res[2][0], res[2]
+    for rank in (1, 3):
+        assert "received non-finite values from rank 2" in res[rank][0], res[rank]
+    words, waited = res[0]
+    assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, words
+    assert "received non-finite values from rank 2" in words, words
     assert waited < TIMEOUT_S / 2, waited
 
 

@@ -129,6 +129,13 @@ class GossipExchange:
         if self.group_allreduce is not None:
             self.group_allreduce.report(text)
 
+    def stopped(self):
+        """Marks that this rank stops exchanging because of an error of its own (``report`` first), for the peers
+        whose point-to-point wait for it would else block until its process exits or their timeout passes
+        (exchange.peer_watch). The point-to-point errors mark themselves."""
+        if self._roster is not None:
+            self._roster.mark_failed()
+
     def check_group(self, what: str):
         """RuntimeError when the process group was destroyed (dist.destroy_process_group()) while this exchange,
         which still holds it, was open: gloo's point-to-point transfers went on over the destroyed group, while the

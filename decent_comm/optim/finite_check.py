@@ -5,7 +5,9 @@ A rank whose own parameters are non-finite raises once the exchange it posted co
 non-finite values raises in the step that mixes them. Either first leaves its error in the store (the exchange
 layer's ``report``: on this failure only, nothing on the per-step path), so that a rank which saw nothing - a
 neighbour of neither, whose next transfer or whole-group all-reduce then fails because those ranks stopped - names
-it too ("rank 2 raised an error of its own before (the likely cause): ... not finite ...") instead of a dead peer.
+it too ("rank 2 raised an error of its own before (the likely cause): ... not finite ...") instead of a dead peer;
+and once what its peers are to receive from it went out, it marks that it stops (``_stopping``), so that a peer
+waiting for it while its process lives on stops waiting too.
 """
 import logging
 from typing import List, Optional
@@ -36,6 +38,7 @@ def raise_sent(s, plan: MixPlan, bad: List[int], made_by: Optional[int]):
     error = _reported(s, f"the parameters of bucket(s) {bad} are not finite {when} (check_finite=True; steps "
                          "count from 0)")
     _complete_before_raising(s, plan)
+    _stopping(s)
     raise error
 
 
@@ -44,8 +47,10 @@ def check_received(s, b, plan: MixPlan, neighbors: List[torch.Tensor]):
     for k, y in enumerate(neighbors[:plan.num_buffers]):
         if not torch.isfinite(y).all():
             who = f"rank {plan.recv[k]}" if plan.group is None else _nonfinite_in_group(s, b, plan)
-            raise _reported(s, f"step {plan.step}: bucket {b.index} received non-finite values from {who} "
-                               "(check_finite=True)")
+            error = _reported(s, f"step {plan.step}: bucket {b.index} received non-finite values from {who} "
+                                 "(check_finite=True)")
+            _stopping(s)
+            raise error
 
 
 def _reported(s, body: str) -> RuntimeError:
@@ -54,6 +59,14 @@ def _reported(s, body: str) -> RuntimeError:
         if path is not None:
             path.report(body)
     return RuntimeError(f"decent_comm: rank {s.rank}: {body}")
+
+
+def _stopping(s):
+    """Marks that this rank stops exchanging (GossipExchange.stopped), once what its peers are to receive from it
+    went out: a peer whose transfer with it blocks while this process lives on (the error caught to save a
+    checkpoint, a notebook) stops waiting (exchange.peer_watch) instead of waiting out its timeout."""
+    if s.exchange is not None:
+        s.exchange.stopped()
 
 
 def _complete_before_raising(s, plan: MixPlan):
