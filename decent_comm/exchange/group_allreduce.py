@@ -177,9 +177,7 @@ class GroupAllReduce:
             else:
                 ok = work.wait()
         except WaitTimedOut:
-            raise self._fail(ExchangeTimeout(
-                f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} ms "
-                f"in the all-reduce among ranks {list(g)}{self._roster.blame(g, timed_out=True)}")) from None
+            raise self._timed_out(bucket, g, "") from None
         except MembersFailed as e:  # a timeout of theirs is this rank's too: it waits for the same silent member
             raise self._fail((ExchangeTimeout if e.timed_out else ExchangeError)(
                 f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks {list(g)} {e.words()}"
@@ -187,16 +185,19 @@ class GroupAllReduce:
         except Exception as e:  # noqa: BLE001
             elapsed = time.monotonic() - started
             if self._bounded and self.timeout is not None and elapsed + 0.01 >= self.timeout.total_seconds():
-                raise self._fail(ExchangeTimeout(
-                    f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} "
-                    f"ms in the all-reduce among ranks {list(g)}{self._roster.blame(g, timed_out=True)}; transport: "
-                    f"{e}")) from e
+                raise self._timed_out(bucket, g, f"; transport: {e}") from e
             raise self._fail(ExchangeError(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
                                            f"{list(g)} failed{self._roster.blame(g)}: {e}")) from e
         if ok is False:
             raise self._fail(ExchangeTimeout(f"decent_comm exchange: bucket {bucket}: the all-reduce among ranks "
                                              f"{list(g)} did not complete within {self.timeout}"
                                              f"{self._roster.blame(g, timed_out=True)}"))
+
+    def _timed_out(self, bucket: int, g, transport: str) -> ExchangeTimeout:
+        """The error of a wait that ran out (the sliced wait's deadline, or gloo's own error at it: `transport`)."""
+        return self._fail(ExchangeTimeout(
+            f"decent_comm exchange: bucket {bucket} timed out after {self.timeout.total_seconds() * 1e3:.0f} ms in "
+            f"the all-reduce among ranks {list(g)}{self._roster.blame(g, timed_out=True)}{transport}"))
 
     def wait_all(self):
         self._usable("wait_all")
