@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import decent_comm
-from decent_comm.exchange import ExchangeError
+from decent_comm.exchange import ExchangeError, GossipExchange
 from decent_comm.exchange import peer_watch
 from decent_comm.exchange.peer_watch import PeerWatch
 
@@ -40,10 +40,12 @@ def _ring(rank, n, quiet, timeouts, drop=None):
             start = time.monotonic()
             if drop == "shutdown":
                 step.ex.shutdown()
-            else:  # its drain on collection (exchange._closing), as at exit
+            else:  # its drain on collection (exchange._closing), as at exit; "cycle": by the cyclic collector
+                if drop == "cycle":
+                    step.ex.cycle = step.ex
                 step.ex = None
                 gc.collect()
-            result = ("dropped" if drop == "drop" else "no error", time.monotonic() - start)
+            result = ("no error" if drop == "shutdown" else "dropped", time.monotonic() - start)
         else:
             for _ in range(n):  # the first failures are in the first; each hop further fails a step later at most
                 step()
@@ -71,10 +73,12 @@ def test_a_dead_neighbours_neighbour_stops_waiting_for_the_ranks_that_failed_on_
     assert waited < TIMEOUT_S / 2, waited
 
 
-def test_the_drain_of_a_dropped_exchange_is_watched_too():
-    """Rank 1 drops an exchange with a bucket in flight (as at exit, or an optimizer collected unclosed): its drain
+@pytest.mark.parametrize("drop", ["drop", "cycle"])
+def test_the_drain_of_a_dropped_exchange_is_watched_too(drop):
+    """Rank 1 drops an exchange with a bucket in flight (as at exit, or an optimizer collected unclosed; "cycle": in
+    a reference cycle, whose weak references the collector clears before the drain runs): its drain
     (exchange._closing) waited for ranks 0 and 2 until they exited; it stops like a step's wait."""
-    res = run_ranks(_ring, 4, False, {}, "drop", timeout=150)
+    res = run_ranks(_ring, 4, False, {}, drop, timeout=150)
     assert res[1][0] == "dropped" and res[1][1] < TIMEOUT_S / 2, res[1]
     for rank in (0, 2):
         assert "receive from rank 3" in res[rank][0], res[rank]
@@ -86,6 +90,53 @@ def test_shutdown_stops_waiting_and_names_the_failure_like_a_step():
     words, waited = res[1]
     assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, words
     assert "raised an error of" in words and "receive from rank 3" in words, words
+    assert waited < TIMEOUT_S / 2, waited
+
+
+def _mixed(rank, n, order):
+    """4 ranks: groups [0, 1] and [2, 3] beside point-to-point pairs (0, 2) and (1, 3), one healthy round of each;
+    then every rank runs the two in `order`. "group" first: rank 1 exits, rank 0's all-reduce fails, and rank 2's
+    transfer waits for rank 0; "p2p" first: rank 2 exits, rank 0's transfer fails, and rank 1's all-reduce waits for
+    rank 0. Rank 0 lives on. Returns (the error's class and words, seconds into the step that raised)."""
+    ex = GossipExchange(None, torch.device("cpu"), timeout=TIMEOUT_S, groups=[[0, 1], [2, 3]])
+    x, pair = torch.ones(10), [(rank + 2) % n]
+
+    def group():
+        ex.exchange(1, x, [torch.empty(10)], group=[0, 1] if rank < 2 else [2, 3])
+        ex.wait(1)
+
+    def p2p():
+        ex.exchange(3, x, [torch.empty(10)], send_to=pair, recv_from=pair)
+        ex.wait(3)
+
+    group(), p2p()
+    if rank == (1 if order[0] == "group" else 2):
+        exit_now(("exited", 0.0))
+    result = ("no error", 0.0)
+    for step in (group, p2p) if order[0] == "group" else (p2p, group):
+        start = time.monotonic()
+        try:
+            step()
+        except ExchangeError as exc:
+            result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+            break
+    time.sleep(LINGER_S)
+    return result
+
+
+@pytest.mark.parametrize("order", [("group", "p2p"), ("p2p", "group")])
+def test_a_failure_on_one_path_stops_a_wait_on_the_other(order):
+    """Rank 0 failed on one path (its own store namespace) and lives on; the rank waiting for it on the other path
+    waited until it exited: each path's failure is marked on both (GossipExchange._stop)."""
+    res = run_ranks(_mixed, 4, order, timeout=150)
+    waiting = 2 if order[0] == "group" else 1
+    words, waited = res[waiting]
+    assert words.startswith("ExchangeError: ") and "rank 0" in words, words
+    if order[0] == "group":
+        assert "stopped waiting for receive from rank 0: rank 0 failed first" in words, words
+        assert "rank 0 raised an error of its own before" in words and "all-reduce among ranks [0, 1]" in words, words
+    else:
+        assert "the all-reduce among ranks [0, 1] failed on rank 0 first, while this rank waited for it" in words, words
     assert waited < TIMEOUT_S / 2, waited
 
 

@@ -33,6 +33,7 @@ and leaves no rank with an exchanger, or a tag channel used up, that another ran
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -172,6 +173,9 @@ class Exchanger(_C._Exchanger):
         # native object exists: if __init__ raised before, calling into it would dereference nothing.
         if self.__dict__.get("_tracked") and not self.closed:
             _closing.close_on_collect(self)
+        watch = self.__dict__.get("_peer_watch")
+        if watch is not None and not sys.is_finalizing():  # shutdown() closed it, unless the drain was skipped
+            watch.close()
 
     def shutdown(self):
         """Completes what is in flight and releases the transport (idempotent; after an error it aborts

@@ -63,17 +63,24 @@ class GossipExchange:
         try:
             yield
         except (ExchangeError, ValueError) as e:
-            if path is self.p2p and isinstance(e, ExchangeError) and self._roster is not None and \
-                    len(e.args) == 1 and isinstance(e.args[0], str):
-                own = e.args[0]
+            worded = isinstance(e, ExchangeError) and self._roster is not None and len(e.args) == 1 and \
+                isinstance(e.args[0], str)
+            own = e.args[0] if worded else ""
+            if worded and path is self.p2p:
                 e.args = (own + self._roster.told(sorted(set(peers()))),)
-                if self.error is None:
-                    # A neighbour's failure stops this rank's transfers with its other neighbours: theirs then fail
-                    # on this rank ("receive from rank 0 ... failed") and name the first failure by its words, or
-                    # stop waiting for it at once (the mark: peer_watch) if it lives on.
-                    if not self._reported:
-                        self.report(own)
-                    self._roster.mark_failed(timed_out=isinstance(e, ExchangeTimeout))
+            if worded and self.error is None:
+                # This rank stops exchanging on both paths. A neighbour's failure stops its transfers with its other
+                # neighbours: theirs then fail on this rank ("receive from rank 0 ... failed") and name the first
+                # failure by its words, or stop waiting for it at once (the mark: peer_watch) if it lives on. A
+                # group failure is reported to the point-to-point peers only: the group's members name it by blame.
+                if self._reported:
+                    pass
+                elif path is self.p2p:
+                    self.report(own)
+                else:
+                    self._roster.report(own)
+                    self._reported = True
+                self._stop(timed_out=isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -131,10 +138,17 @@ class GossipExchange:
 
     def stopped(self):
         """Marks that this rank stops exchanging because of an error of its own (``report`` first), for the peers
-        whose point-to-point wait for it would else block until its process exits or their timeout passes
-        (exchange.peer_watch). The point-to-point errors mark themselves."""
+        whose wait for it would else block until its process exits or their timeout passes (exchange.peer_watch,
+        exchange.watched_wait). This object's own errors mark themselves."""
+        self._stop(timed_out=False)
+
+    def _stop(self, timed_out: bool):
+        """The mark (Roster.mark_failed) on both paths: a point-to-point peer's watch, and a group member's sliced
+        wait, look for it in their own path's store namespace."""
         if self._roster is not None:
-            self._roster.mark_failed()
+            self._roster.mark_failed(timed_out)
+        if self.group_allreduce is not None:
+            self.group_allreduce.mark_failed(timed_out)
 
     def check_group(self, what: str):
         """RuntimeError when the process group was destroyed (dist.destroy_process_group()) while this exchange,

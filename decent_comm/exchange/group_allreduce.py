@@ -162,6 +162,11 @@ class GroupAllReduce:
         all-reduce then fails names it (exchange.roster's ``report``, ``blame``) instead of a dead member."""
         self._roster.report(text)
 
+    def mark_failed(self, timed_out: bool = False):
+        """Marks that this rank stopped (its other path failed, or its owner raised): a member waiting for it in an
+        all-reduce stops too (watched_wait) instead of waiting for its exit or the timeout."""
+        self._roster.mark_failed(timed_out)
+
     def wait(self, bucket: int):
         """Until the bucket's sum is in recvs[0]: blocks (NCCL: orders the current stream after it, no host sync);
         a no-op once that happened (wait_all, synchronize)."""

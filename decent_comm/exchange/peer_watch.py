@@ -25,7 +25,6 @@ import atexit
 import logging
 import os
 import threading
-import weakref
 from typing import Callable, Dict, List, Optional
 
 from .arrival import ranks_text
@@ -34,7 +33,9 @@ from .watched_wait import POLL_S
 log = logging.getLogger("decent_comm")
 
 _lock = threading.Condition()  # guards the two below; notified to stop the thread
-_watches: "weakref.WeakSet[PeerWatch]" = weakref.WeakSet()
+# Held strongly until closed: an exchanger collected in a cycle drains in its finalizer (exchange._closing), and the
+# collector clears weak references to the cycle before it runs finalizers, which took that drain off the watch.
+_watches: "set[PeerWatch]" = set()
 _thread: Optional[threading.Thread] = None  # the watcher; a thread that is not this one any more ends at once
 
 
@@ -89,13 +90,12 @@ def _run():
         with _lock:
             if _thread is me and _watches:
                 _lock.wait(POLL_S)
-            if _thread is not me or not _watches:  # stopped, or every exchange was collected unclosed
+            if _thread is not me or not _watches:  # stopped, or every exchanger was closed
                 if _thread is me:
                     _thread = None
                 return
             watches = list(_watches)
         _look_at(watches)
-        del watches  # no strong reference while waiting: an exchange dropped unclosed is collected
 
 
 def _look_at(watches):
