@@ -20,11 +20,27 @@ TIMEOUT_S = 20  # what a rank left waiting would wait for without the watch
 LINGER_S = 12   # how long a failed rank lives on (saving a checkpoint): past the survivors' errors, short of TIMEOUT_S
 
 
+def _first_error(steps, catch=ExchangeError):
+    """Runs `steps` (callables) in order until one raises `catch`, then lives on for LINGER_S (a checkpoint saved in
+    an except: clause). Returns (the error's class and words, or "no error"; seconds into the step that raised, or
+    that the last step took)."""
+    result = ("no error", 0.0)
+    for step in steps:
+        start = time.monotonic()
+        try:
+            step()
+            result = ("no error", time.monotonic() - start)
+        except catch as exc:
+            result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+            break
+    time.sleep(LINGER_S)
+    return result
+
+
 def _ring(rank, n, quiet, timeouts, drop=None):
     """A point-to-point ring of `n`: rank 3 exits (`quiet`: stays alive and stops exchanging); its neighbours fail on
     it and live on for LINGER_S; every other rank's next wait is on a rank that stopped (`drop`: rank 1's is the
-    drain of its "shutdown" or of the exchange it "drop"s). Returns (the error's class and words, or "dropped",
-    seconds from the last completed step to the error)."""
+    drain of its "shutdown", or of the exchange it "drop"s or leaves in a "cycle"). Returns _first_error's."""
     step = Ring(rank, n, timeouts.get(rank, TIMEOUT_S))
     step()
     if rank == 3:
@@ -32,29 +48,20 @@ def _ring(rank, n, quiet, timeouts, drop=None):
             exit_now(("exited", 0.0))
         time.sleep(TIMEOUT_S + LINGER_S)
         return "silent", 0.0
-    start = time.monotonic()
-    try:
-        if drop and rank == 1:
-            step()  # the step in which ranks 0 and 2 fail completes here (their sends were posted)
-            step.post()
-            start = time.monotonic()
-            if drop == "shutdown":
-                step.ex.shutdown()
-            else:  # its drain on collection (exchange._closing), as at exit; "cycle": by the cyclic collector
-                if drop == "cycle":
-                    step.ex.cycle = step.ex
-                step.ex = None
-                gc.collect()
-            result = ("no error" if drop == "shutdown" else "dropped", time.monotonic() - start)
-        else:
-            for _ in range(n):  # the first failures are in the first; each hop further fails a step later at most
-                step()
-                start = time.monotonic()
-            result = ("no error", 0.0)
-    except ExchangeError as exc:
-        result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
-    time.sleep(LINGER_S)
-    return result
+    if not (drop and rank == 1):
+        return _first_error([step] * n)  # the first failures are in the first; each hop further fails a step later
+
+    def drain():
+        step.post()
+        if drop == "shutdown":
+            step.ex.shutdown()
+            return
+        if drop == "cycle":  # collected by the cyclic collector
+            step.ex.cycle = step.ex
+        step.ex = None  # its drain on collection (exchange._closing), as at exit
+        gc.collect()
+
+    return _first_error([step, drain])  # the step in which ranks 0 and 2 fail completes (their sends were posted)
 
 
 def test_a_dead_neighbours_neighbour_stops_waiting_for_the_ranks_that_failed_on_it():
@@ -79,7 +86,7 @@ def test_the_drain_of_a_dropped_exchange_is_watched_too(drop):
     a reference cycle, whose weak references the collector clears before the drain runs): its drain
     (exchange._closing) waited for ranks 0 and 2 until they exited; it stops like a step's wait."""
     res = run_ranks(_ring, 4, False, {}, drop, timeout=150)
-    assert res[1][0] == "dropped" and res[1][1] < TIMEOUT_S / 2, res[1]
+    assert res[1][0] == "no error" and res[1][1] < TIMEOUT_S / 2, res[1]
     for rank in (0, 2):
         assert "receive from rank 3" in res[rank][0], res[rank]
 
@@ -112,16 +119,7 @@ def _mixed(rank, n, order):
     group(), p2p()
     if rank == (1 if order[0] == "group" else 2):
         exit_now(("exited", 0.0))
-    result = ("no error", 0.0)
-    for step in (group, p2p) if order[0] == "group" else (p2p, group):
-        start = time.monotonic()
-        try:
-            step()
-        except ExchangeError as exc:
-            result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
-            break
-    time.sleep(LINGER_S)
-    return result
+    return _first_error((group, p2p) if order[0] == "group" else (p2p, group))
 
 
 @pytest.mark.parametrize("order", [("group", "p2p"), ("p2p", "group")])
@@ -167,25 +165,19 @@ def test_a_silent_neighbours_neighbour_does_not_wait_out_its_own_timeout():
 def _nan_on_a_ring(rank, n):
     """DSGD on a point-to-point ring of 4 with check_finite: rank 2's loss is NaN at step 3; ranks 1 and 3 receive
     its values and raise; rank 0, a neighbour of neither rank 2 nor its exit, waits for them next. Every rank lives on
-    for LINGER_S after its error (a checkpoint saved in an except: clause)."""
+    for LINGER_S after its error."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", exchange="p2p", check_finite=True,
                            timeout=TIMEOUT_S)
-    start = time.monotonic()
-    try:
-        for t in range(6):
-            opt.zero_grad()
-            loss = model(torch.ones(2, 4)).pow(2).mean()
-            (loss * float("nan") if rank == 2 and t == 3 else loss).backward()
-            start = time.monotonic()
-            opt.step()
-        opt.synchronize()
-        result = ("no error", 0.0)
-    except RuntimeError as exc:
-        result = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
-    time.sleep(LINGER_S)
-    return result
+
+    def step(t):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        (loss * float("nan") if rank == 2 and t == 3 else loss).backward()
+        opt.step()
+
+    return _first_error([lambda t=t: step(t) for t in range(6)] + [opt.synchronize], catch=RuntimeError)
 
 
 def test_a_rank_that_raised_for_non_finite_values_is_not_waited_for():
@@ -203,12 +195,17 @@ def test_a_rank_that_raised_for_non_finite_values_is_not_waited_for():
 
 class _Transport:
     """What a PeerWatch reads and calls (a transport's _wait_generation, _waiting_peers, _interrupt), with the
-    store's answers (`failed`) given in advance; records what it was asked."""
+    store's answers (`failed`) given in advance; records what it was asked. `block(peer)` moves the running wait to
+    an operation with `peer` (None: the wait ends)."""
 
-    def __init__(self, failed, peers=(2, 0)):
-        self.answers, self.peers = list(failed), list(peers)
+    def __init__(self, failed):
+        self.answers, self.peers = list(failed), []
         self._wait_generation = 0
         self.asked, self.interrupts = [], []
+
+    def block(self, peer):
+        self.peers = [] if peer is None else [peer]
+        self._wait_generation += 1
 
     def _waiting_peers(self):
         return self.peers
@@ -228,49 +225,51 @@ def _watch(transport):
     return w
 
 
-def test_a_wait_is_asked_about_only_once_it_ran_since_the_previous_look():
-    t = _Transport([{}, {0: "error", 2: "timeout"}])
+def test_the_store_is_asked_only_about_an_operation_that_blocked_since_the_previous_look():
+    t = _Transport([{}, {2: "timeout"}])
     w = _watch(t)
-    w.look()  # no wait
-    t._wait_generation += 1
-    w.look()  # running since less than a look
+    w.look(), w.look()  # no wait runs
+    t.block(0)
+    w.look()  # blocked since less than a look
     assert t.asked == []
     w.look()
-    assert t.asked == [[0, 2]] and t.interrupts == []
-    t._wait_generation += 2  # that wait ended, another one began
+    assert t.asked == [[0]] and t.interrupts == []
+    t.block(2)  # that operation completed, the wait moved on
     w.look()
-    assert t.asked == [[0, 2]]
+    assert t.asked == [[0]]
     w.look()
-    assert t.interrupts == [(3, "ranks [0, 2] timed out first and stopped exchanging, while this rank waited for it",
-                             True)]
+    assert t.interrupts == [(2, "rank 2 timed out first and stopped exchanging, while this rank waited for it", True)]
+    t.block(None)
+    w.look(), w.look()
+    assert t.asked == [[0], [2]]
 
 
-def test_a_store_that_cannot_tell_is_not_asked_again_in_that_wait():
-    t = _Transport([None, {1: "error"}], peers=[1])
+def test_a_store_that_cannot_tell_is_not_asked_again_about_that_operation():
+    t = _Transport([None, {1: "error"}])
     w = _watch(t)
-    t._wait_generation += 1
+    t.block(1)
     w.look(), w.look(), w.look()
     assert t.asked == [[1]]
-    t._wait_generation += 2
+    t.block(1)
     w.look(), w.look()
-    assert t.interrupts == [(3, "rank 1 failed first and stopped exchanging, while this rank waited for it", False)]
+    assert t.interrupts == [(2, "rank 1 failed first and stopped exchanging, while this rank waited for it", False)]
 
 
-def test_the_interrupt_names_the_wait_it_was_asked_about():
-    """The wait may end while the store is asked: the interrupt carries that wait's generation, and the transport
-    interrupts only the wait of that generation (checked on real ranks by the tests above; here: what is passed)."""
-    t = _Transport([{1: "error"}], peers=[1])
+def test_the_interrupt_names_the_operation_it_was_asked_about():
+    """The operation may complete while the store is asked: the interrupt carries its generation, and the transport
+    interrupts only while that operation blocks (checked on real ranks by the tests above; here: what is passed)."""
+    t = _Transport([])
     w = _watch(t)
-    t._wait_generation = 5
+    t.block(1)
     w.look()
 
-    def failed_as_the_wait_ends(peers):
-        t._wait_generation += 2  # ended, and the next one began
+    def failed_as_the_operation_completes(peers):
+        t.block(3)
         return {1: "error"}
 
-    w._failed = failed_as_the_wait_ends
+    w._failed = failed_as_the_operation_completes
     w.look()
-    assert [g for g, _, _ in t.interrupts] == [5]
+    assert [g for g, _, _ in t.interrupts] == [1]
 
 
 def test_the_thread_ends_when_the_last_open_exchanger_closes():

@@ -55,11 +55,12 @@ void register_comm_bindings(py::module& m) {
       // For a watcher thread (transport.h): an interrupted wait raises in the Exchanger's call, which then fails
       // as on any transport error. The Exchanger's own lock is not taken: the blocked call holds it.
       .def_property_readonly("_wait_generation", &Transport::wait_generation,
-                             "host-blocking waits begun plus ended (odd while one runs)")
-      .def("_waiting_peers", &Transport::waiting_peers, Release(), "the ranks the running wait waits for")
+                             "changes whenever a wait moves to another operation or ends")
+      .def("_waiting_peers", &Transport::waiting_peers, Release(),
+           "the peer of the operation the running wait blocks on ([] when none runs)")
       .def("_interrupt", &Transport::interrupt, py::arg("generation"), py::arg("reason"), py::arg("timed_out"),
-           Release(), "if the wait of `generation` still runs: it raises `reason` (an ExchangeTimeout when "
-           "timed_out); returns whether it did");
+           Release(), "if the operation of `generation` still blocks the wait: the wait raises `reason` (an "
+           "ExchangeTimeout when timed_out); returns whether it did");
 
   m.def(
       "_process_group_transport",

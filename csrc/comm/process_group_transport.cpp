@@ -220,40 +220,35 @@ bool ProcessGroupTransport::finished_soon(const c10::intrusive_ptr<c10d::Work>& 
   }
 }
 
-void ProcessGroupTransport::set_waiting(const std::vector<PgPending>* pending) const {
+void ProcessGroupTransport::set_waiting(const std::vector<PgPending>* pending, size_t index) const {
   std::lock_guard<std::mutex> lock(interrupt_mu_);
   waiting_ = pending;
+  waiting_index_ = index;
   interrupted_.store(false, std::memory_order_relaxed);
   wait_generation_.fetch_add(1, std::memory_order_release);
 }
 
 std::vector<int64_t> ProcessGroupTransport::waiting_peers() const {
   std::lock_guard<std::mutex> lock(interrupt_mu_);
-  std::vector<int64_t> peers;
-  if (waiting_ != nullptr) {
-    for (const PgPending& p : *waiting_) {
-      if (std::find(peers.begin(), peers.end(), p.op.peer) == peers.end()) peers.push_back(p.op.peer);
-    }
-  }
-  return peers;
+  if (waiting_ == nullptr) return {};
+  return {int64_t((*waiting_)[waiting_index_].op.peer)};
 }
 
 bool ProcessGroupTransport::interrupt(uint64_t generation, const std::string& reason, bool timed_out) {
   std::lock_guard<std::mutex> lock(interrupt_mu_);
-  // Under the lock that begins and ends waits: an interrupt meant for a wait that has ended stops no later one.
+  // Under the lock that moves the wait from one operation to the next: an interrupt meant for an operation that
+  // completed meanwhile stops nothing (its peer may have stopped only after that operation went through).
   if (waiting_ == nullptr || wait_generation_.load(std::memory_order_relaxed) != generation) return false;
   interrupt_reason_ = reason;
   interrupt_timed_out_ = timed_out;
   interrupted_.store(true, std::memory_order_relaxed);
   if (bounded_wait_) {
-    // gloo: each aborted send/recv's wait returns false at once, the one blocked now included (its
-    // UnboundBuffer's abortWait flag); the transfers themselves stay posted, and the failed exchange keeps their
-    // buffers alive (PgSlot). A timed-out gloo wait would instead fail every pair of the process group.
-    for (const PgPending& p : *waiting_) {
-      try {
-        p.work->abort();
-      } catch (const std::exception&) {  // a Work that cannot abort: its wait runs on to its deadline
-      }
+    // gloo: the aborted send/recv's wait returns false at once (its UnboundBuffer's abortWait flag); the transfer
+    // itself stays posted, and the failed exchange keeps its buffers alive (PgSlot). A timed-out gloo wait would
+    // instead fail every pair of the process group.
+    try {
+      (*waiting_)[waiting_index_].work->abort();
+    } catch (const std::exception&) {  // a Work that cannot abort: its wait runs on to its deadline
     }
   }
   return true;
@@ -262,12 +257,12 @@ bool ProcessGroupTransport::interrupt(uint64_t generation, const std::string& re
 void ProcessGroupTransport::wait_all(const std::vector<PgPending>& pending, int64_t bucket,
                                      Clock::time_point deadline, std::chrono::milliseconds timeout,
                                      const char* stage) const {
-  set_waiting(&pending);
   struct Done {
     const ProcessGroupTransport& t;
-    ~Done() { t.set_waiting(nullptr); }
+    ~Done() { t.set_waiting(nullptr, 0); }
   } done{*this};
   for (size_t i = 0; i < pending.size(); ++i) {
+    set_waiting(&pending, i);
     const PgPending& p = pending[i];
     std::string detail;
     try {

@@ -50,7 +50,7 @@ class ProcessGroupTransport final : public Transport {
   void abort() noexcept override {}  // nothing to stop; unfinished slots keep their buffers alive
   uint64_t wait_generation() const override { return wait_generation_.load(std::memory_order_acquire); }
   std::vector<int64_t> waiting_peers() const override;
-  // Aborts the operations the running wait blocks on (gloo: Work::abort() wakes a waiting send/recv, which then
+  // Aborts the operation the running wait blocks on (gloo: Work::abort() wakes a waiting send/recv, which then
   // returns false; other backends are polled and see the flag), and that wait raises `reason`.
   bool interrupt(uint64_t generation, const std::string& reason, bool timed_out) override;
   // Everything completed: drop our references to the group (it belongs to the caller). Held on, they would
@@ -74,8 +74,9 @@ class ProcessGroupTransport final : public Transport {
   bool wait_one(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline) const;
   // For a timeout message: did this operation finish (probed for at most ~1 ms)?
   bool finished_soon(const c10::intrusive_ptr<c10d::Work>& work) const;
-  // Registers `pending` as what interrupt() aborts (nullptr: the wait ended, an interrupt now stops nothing).
-  void set_waiting(const std::vector<PgPending>* pending) const;
+  // Registers pending[index] as the operation the wait blocks on now, what interrupt() aborts (pending nullptr: the
+  // wait ended, an interrupt now stops nothing).
+  void set_waiting(const std::vector<PgPending>* pending, size_t index) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // keeps the backend's owner alive (until shutdown())
   c10::intrusive_ptr<c10d::Backend> backend_;
@@ -93,6 +94,7 @@ class ProcessGroupTransport final : public Transport {
   // lock) and by interrupt() from another thread; `interrupted_` is also read without the lock by the polling wait.
   mutable std::mutex interrupt_mu_;
   mutable const std::vector<PgPending>* waiting_ = nullptr;
+  mutable size_t waiting_index_ = 0;
   mutable std::atomic<uint64_t> wait_generation_{0};  // written under the lock
   mutable std::atomic<bool> interrupted_{false};
   mutable std::string interrupt_reason_;

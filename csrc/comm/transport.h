@@ -100,10 +100,13 @@ class Transport {
   virtual void check() {}
   // For a watcher on another thread (decent_comm.exchange.peer_watch), which can learn another way that a peer
   // stopped for good (it reported its own failure through the store) where the transport itself would only tell at
-  // the deadline. wait_generation(): how many host-blocking waits (wait(), swap_headers()) began plus how many
-  // ended, so odd while one runs; waiting_peers(): the ranks that one waits for; interrupt(generation, ...): if the
-  // wait of that generation is still running, makes it stop and raise ExchangeError (ExchangeTimeoutError when
-  // `timed_out`) with `reason`, and returns true. Transports whose waits do not block the host keep these defaults.
+  // the deadline. A host-blocking wait (wait(), swap_headers()) blocks on one operation at a time: waiting_peers() is
+  // that operation's peer (empty: no wait runs); wait_generation() changes whenever the wait moves to another
+  // operation or ends, so the same value at two looks means the same operation blocked all along; interrupt(
+  // generation, ...): if that operation still blocks the wait, makes the wait stop and raise ExchangeError
+  // (ExchangeTimeoutError when `timed_out`) with `reason`, and returns true. Only the blocking operation counts: one
+  // with a peer that stopped right after that operation went through completes (check_finite's ranks stop so).
+  // Transports whose waits do not block the host keep these defaults.
   virtual uint64_t wait_generation() const { return 0; }
   virtual std::vector<int64_t> waiting_peers() const { return {}; }
   virtual bool interrupt(uint64_t /*generation*/, const std::string& /*reason*/, bool /*timed_out*/) { return false; }

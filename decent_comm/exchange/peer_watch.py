@@ -9,10 +9,12 @@ rank waiting until that process exited or its full timeout passed, 30 min by def
 exits, ranks 0 and 2 fail on it and live on for 12 s; rank 1 waited those 12 s).
 
 So a rank whose transfer failed leaves a mark (exchange.roster: ``mark_failed``), and one thread per process looks,
-every POLL_S, at the transports whose host-blocking wait has run since its previous look (the transport counts its
-waits: ``_wait_generation``, odd while one runs): one store call (``Roster.failed``) asks whether a peer of that wait
-left a mark, and if one did, ``_interrupt`` makes that wait raise, as an ``ExchangeTimeout`` when that peer itself
-had timed out (it waits for a silent rank, as this rank would). Every wait of the exchanger is seen (a step's, a
+every POLL_S, at the transports whose host-blocking wait has been blocked by the same operation since its previous
+look (``_wait_generation`` changes with each operation a wait moves to): one store call (``Roster.failed``) asks
+whether that operation's peer left a mark, and if it did, ``_interrupt`` makes that wait raise, as an
+``ExchangeTimeout`` when that peer itself had timed out (it waits for a silent rank, as this rank would). Only the
+blocking operation's peer counts: a peer may stop right after its transfers with this rank went through (check_finite
+stops so), and this rank's wait for another, slow peer must go on. Every wait of the exchanger is seen (a step's, a
 handshake's, shutdown()'s, the drain at exit or on collection: exchange._closing), and nothing is added to the calls
 themselves; the thread wakes every POLL_S while a watched exchanger is open.
 
@@ -57,15 +59,18 @@ class PeerWatch:
         _stop_thread(only_if_idle=True)
 
     def look(self):
-        """The watcher thread's look: asks the store when the same wait has run since the previous look."""
+        """The watcher thread's look: asks the store when the same operation has blocked a wait since the previous
+        look (the generation changes with each operation a wait moves to, and when it ends)."""
         g = self._transport._wait_generation
-        if g & 1 and g == self._seen and g != self._mute:
+        if g == self._seen and g != self._mute:
             self._ask(g)
         self._seen = g
 
     def _ask(self, g: int):
         peers = sorted(self._transport._waiting_peers())
-        failed = self._failed(peers) if peers else {}
+        if not peers:  # no wait runs
+            return
+        failed = self._failed(peers)
         if failed is None:
             self._mute = g
         elif failed:
