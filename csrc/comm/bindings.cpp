@@ -101,7 +101,6 @@ void register_comm_bindings(py::module& m) {
            "wait_all(), then block the host until every transfer has completed")
       .def("shutdown", &Exchanger::shutdown, Release(),
            "Finish everything and release the transport (idempotent; aborts instead after an error)")
-
       .def_property_readonly("rank", &Exchanger::rank)
       .def_property_readonly("world_size", &Exchanger::world_size)
       .def_property_readonly("transport", &Exchanger::transport_name, "'nccl' or 'process_group'")

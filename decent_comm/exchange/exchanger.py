@@ -173,9 +173,8 @@ class Exchanger(_C._Exchanger):
         # native object exists: if __init__ raised before, calling into it would dereference nothing.
         if self.__dict__.get("_tracked") and not self.closed:
             _closing.close_on_collect(self)
-        watch = self.__dict__.get("_peer_watch")
-        if watch is not None and not sys.is_finalizing():  # shutdown() closed it, unless the drain was skipped
-            watch.close()
+        if self.__dict__.get("_peer_watch") is not None and not sys.is_finalizing():
+            self._close_watch()  # shutdown() closed it, unless the drain was skipped
 
     def shutdown(self):
         """Completes what is in flight and releases the transport (idempotent; after an error it aborts
@@ -184,10 +183,13 @@ class Exchanger(_C._Exchanger):
         try:
             super().shutdown()
         finally:
-            if self._peer_watch is not None:
-                self._peer_watch.close()
-                self._peer_watch = None
+            self._close_watch()
         self.process_group = None
+
+    def _close_watch(self):
+        if self._peer_watch is not None:
+            self._peer_watch.close()
+            self._peer_watch = None
 
     def watch_peers(self, watch):
         """Keeps `watch` (exchange.peer_watch.PeerWatch, over this exchanger's transport) for as long as this

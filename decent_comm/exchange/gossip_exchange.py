@@ -73,14 +73,13 @@ class GossipExchange:
                 # neighbours: theirs then fail on this rank ("receive from rank 0 ... failed") and name the first
                 # failure by its words, or stop waiting for it at once (the mark: peer_watch) if it lives on. A
                 # group failure is reported to the point-to-point peers only: the group's members name it by blame.
-                if self._reported:
-                    pass
-                elif path is self.p2p:
-                    self.report(own)
-                else:
-                    self._roster.report(own)
+                if not self._reported:
+                    if path is self.p2p:
+                        self.report(own)
+                    else:
+                        self._roster.report(own)
                     self._reported = True
-                self._stop(timed_out=isinstance(e, ExchangeTimeout))
+                self.stopped(timed_out=isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -136,15 +135,11 @@ class GossipExchange:
         if self.group_allreduce is not None:
             self.group_allreduce.report(text)
 
-    def stopped(self):
-        """Marks that this rank stops exchanging because of an error of its own (``report`` first), for the peers
-        whose wait for it would else block until its process exits or their timeout passes (exchange.peer_watch,
-        exchange.watched_wait). This object's own errors mark themselves."""
-        self._stop(timed_out=False)
-
-    def _stop(self, timed_out: bool):
-        """The mark (Roster.mark_failed) on both paths: a point-to-point peer's watch, and a group member's sliced
-        wait, look for it in their own path's store namespace."""
+    def stopped(self, timed_out: bool = False):
+        """Marks that this rank stops exchanging (an error of its own, ``report`` first; this object's own errors mark
+        themselves), for the peers whose wait for it would else block until its process exits or their timeout
+        passes. On both paths: a point-to-point peer's watch (exchange.peer_watch) and a group member's sliced wait
+        (exchange.watched_wait) look for it in their own path's store namespace (Roster.mark_failed)."""
         if self._roster is not None:
             self._roster.mark_failed(timed_out)
         if self.group_allreduce is not None:
