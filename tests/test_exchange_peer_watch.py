@@ -102,15 +102,19 @@ def test_shutdown_stops_waiting_and_names_the_failure_like_a_step():
 
 def _mixed(rank, n, order):
     """4 ranks: groups [0, 1] and [2, 3] beside point-to-point pairs (0, 2) and (1, 3), one healthy round of each;
-    then every rank runs the two in `order`. "group" first: rank 1 exits, rank 0's all-reduce fails, and rank 2's
-    transfer waits for rank 0; "p2p" first: rank 2 exits, rank 0's transfer fails, and rank 1's all-reduce waits for
-    rank 0. Rank 0 lives on. Returns (the error's class and words, seconds into the step that raised)."""
+    then every rank runs the two in `order`. "group" first: rank 1 exits, rank 0's all-reduce fails ("shutdown": in
+    the drain of its shutdown()), and rank 2's transfer waits for rank 0; "p2p" first: rank 2 exits, rank 0's
+    transfer fails, and rank 1's all-reduce waits for rank 0. Rank 0 lives on. Returns (the error's class and words,
+    seconds into the step that raised)."""
     ex = GossipExchange(None, torch.device("cpu"), timeout=TIMEOUT_S, groups=[[0, 1], [2, 3]])
     x, pair = torch.ones(10), [(rank + 2) % n]
 
-    def group():
+    def group(drain=False):
         ex.exchange(1, x, [torch.empty(10)], group=[0, 1] if rank < 2 else [2, 3])
-        ex.wait(1)
+        if drain:
+            ex.shutdown()
+        else:
+            ex.wait(1)
 
     def p2p():
         ex.exchange(3, x, [torch.empty(10)], send_to=pair, recv_from=pair)
@@ -119,13 +123,16 @@ def _mixed(rank, n, order):
     group(), p2p()
     if rank == (1 if order[0] == "group" else 2):
         exit_now(("exited", 0.0))
+    if rank == 0 and "shutdown" in order:
+        return _first_error((lambda: group(drain=True), p2p))
     return _first_error((group, p2p) if order[0] == "group" else (p2p, group))
 
 
-@pytest.mark.parametrize("order", [("group", "p2p"), ("p2p", "group")])
+@pytest.mark.parametrize("order", [("group", "p2p"), ("group", "p2p", "shutdown"), ("p2p", "group")])
 def test_a_failure_on_one_path_stops_a_wait_on_the_other(order):
-    """Rank 0 failed on one path (its own store namespace) and lives on; the rank waiting for it on the other path
-    waited until it exited: each path's failure is marked on both (GossipExchange._stop)."""
+    """Rank 0 failed on one path (its own store namespace; "shutdown": in its drain) and lives on; the rank waiting
+    for it on the other path waited until it exited: each path's failure is marked on both
+    (GossipExchange.stopped)."""
     res = run_ranks(_mixed, 4, order, timeout=150)
     waiting = 2 if order[0] == "group" else 1
     words, waited = res[waiting]

@@ -167,8 +167,9 @@ class GossipExchange:
         first = None
         for path in self._paths():
             try:
-                # The p2p drain fails like a wait (named, reported and marked: a peer waiting for this rank stops too)
-                with self._named(path, self._in_flight_peers) if path is self.p2p else contextlib.nullcontext():
+                # A drain fails like a wait, on either path (named, reported and marked: a peer waiting for this
+                # rank on either path stops too)
+                with self._named(path, self._in_flight_peers):
                     path.shutdown()
             except Exception as e:  # noqa: BLE001 - release the other path before raising
                 first = first or e
