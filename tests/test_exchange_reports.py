@@ -1,7 +1,7 @@
 """An error a rank raises of its own (``report``, e.g. check_finite's), named by the ranks whose next transfer or
 all-reduce fails because that rank stopped: on every path of the exchange layer (GossipExchange's point-to-point
 and group all-reduce, BoundedAllReduce), in the words the owner passed, instead of taking it for a dead peer; and a rank's first point-to-point failure,
-which stops its transfers with its other peers, named by those peers."""
+which stops its transfers with its other peers, named by those peers; and a rank late for the construction."""
 import re
 import time
 
@@ -96,3 +96,24 @@ def test_a_neighbours_neighbour_names_the_first_failure_not_the_rank_that_stoppe
     first = re.search(r"(rank \d|ranks \[0, 2\]) raised an error of (its|their) own before \(the likely cause\): "
                       r"rank [02]: decent_comm exchange: bucket 0: receive from rank 3", res[1])
     assert first, res[1]
+
+
+def _late_for_construction(rank, n, groups):
+    if rank == 1:
+        time.sleep(3 * TIMEOUT_S)  # stalled before the construction: the others' meeting runs out first
+    start = time.monotonic()
+    try:
+        GossipExchange(None, torch.device("cpu"), timeout=TIMEOUT_S, groups=groups)
+        return "no error", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+
+
+@pytest.mark.parametrize("groups", [(), [(0, 1, 2)]])
+def test_a_construction_that_times_out_names_the_late_rank(groups):
+    """The construction's error was an AttributeError (its naming read state set after the construction)."""
+    res = run_ranks(_late_for_construction, 3, groups, timeout=120)
+    for rank in (0, 2):
+        words, took = res[rank]
+        assert words.startswith("ExchangeTimeout: ") and "rank 1 did not arrive" in words, words
+        assert took < TIMEOUT_S + 3, took

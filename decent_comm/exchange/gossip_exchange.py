@@ -36,19 +36,22 @@ class GossipExchange:
     def __init__(self, process_group, device: torch.device, *, timeout=None, wire_dtype=None,
                  groups: Iterable[Sequence[int]] = ()):
         self._group = process_group
+        # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
+        # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
+        self.error: Optional[ExchangeError] = None
+        self._reported = False  # an error of this rank is in the store already (report: the first one stays)
+        # Set before the construction's errors are named (_named reads them).
+        self._roster: Optional[Roster] = None
+        self.group_allreduce: Optional[GroupAllReduce] = None
         with self._named():
             self.p2p = Exchanger(process_group, device, timeout=timeout, wire_dtype=wire_dtype)
             self._roster = Roster(self.p2p._store_namespace, self.p2p.rank) \
                 if self.p2p._store_namespace is not None else None
             groups = list(groups)
-            self.group_allreduce: Optional[GroupAllReduce] = (GroupAllReduce(groups, process_group, timeout=timeout)
-                                                     if groups else None)
+            if groups:
+                self.group_allreduce = GroupAllReduce(groups, process_group, timeout=timeout)
         self._route: Dict[int, object] = {}  # bucket -> the path its last exchange took
         self._peers: Dict[int, Sequence[int]] = {}  # p2p bucket in flight -> the ranks it exchanges with
-        # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
-        # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
-        self.error: Optional[ExchangeError] = None
-        self._reported = False  # an error of this rank is in the store already (report: the first one stays)
         if self._roster is not None and self.p2p.transport == "process_group":
             # gloo's transfers wait in C++ up to their deadline: meanwhile, a peer that stopped is looked for
             # (peer_watch), for as long as the Exchanger can wait (its drain at exit too: it closes the watch)
