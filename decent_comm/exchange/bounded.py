@@ -1,5 +1,6 @@
 """``BoundedAllReduce``: the blocking whole-group all-reduces an optimizer runs inside step() - the warm-up's
-gradient average, an adaptive topology's statistics - held to the same `timeout` as the gossip itself.
+gradient average, an adaptive topology's statistics - held to the same `timeout` as the gossip itself; and
+``broadcast_from_rank0``, the optimizer's start-up copy of rank 0's parameters, held to it too.
 
     all_reduce = BoundedAllReduce(process_group, timeout=5, owner="optimizer")  # collective (an arrival barrier);
                                                               # owner: what its messages call the caller
@@ -81,6 +82,32 @@ _agreements: Dict[str, int] = {}
 
 def _crc(text: str) -> float:
     return float(zlib.crc32(text.encode()))  # < 2^32: exact in float64
+
+
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group, timeout, what: str) -> None:
+    """Copies each of `tensors` from rank 0 of `group` (None: the default group) to the other ranks, in place, held to
+    `timeout` like the all-reduces below: the ranks meet first (wait_for_ranks: one that does not come within
+    `timeout` is named on every rank that did, ExchangeTimeout), and on gloo each broadcast's wait is bounded too
+    (ExchangeTimeout; a rank that exited: ExchangeError). A plain dist.broadcast waited for a rank stalled before it
+    for the process group's own timeout (gloo: 30 min). `what` names the call in the errors."""
+    seconds = timeout_seconds(timeout, f"{what}: ")
+    wait_for_ranks(group, seconds, what)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    gloo = "nccl" not in str(dist.get_backend(group))
+    for i, tensor in enumerate(tensors):
+        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+        if not gloo:
+            work.wait()  # NCCL: stream-ordered, ended by its own watchdog (see the module's docstring)
+            continue
+        try:
+            wait_watching(work, seconds, lambda: {})
+        except WaitTimedOut:
+            raise in_global_ranks(ExchangeTimeout(
+                f"decent_comm: {what}: the broadcast of tensor {i} from rank 0 did not complete within {seconds:g} s"),
+                group) from None
+        except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
+            raise in_global_ranks(ExchangeError(
+                f"decent_comm: {what}: the broadcast of tensor {i} from rank 0 failed: {e}"), group) from e
 
 
 class BoundedAllReduce:

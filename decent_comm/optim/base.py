@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from ..exchange import MAX_BUCKETS
+from ..exchange import MAX_BUCKETS, broadcast_from_rank0
 from . import amp, int8_wire
 from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
@@ -37,7 +37,7 @@ from .replica_watch import ReplicaWatch
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
 from .teardown import shut_down_when_dropped
-from .startup import (broadcast_from_rank0, check_options, distributed_context, replica_config,
+from .startup import (check_options, distributed_context, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
 from .user_edits import StateWatch, adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout
@@ -122,7 +122,9 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         self._closure, self._closure_loss, self._model = None, None, model
         self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         if self.world_size > 1 and broadcast_init:
-            broadcast_from_rank0(self._buckets, process_group)
+            with torch.no_grad():
+                broadcast_from_rank0([b.flat for b in self._buckets], process_group, timeout,
+                                     "building the optimizer: copying rank 0's parameters (broadcast_init=True)")
         self._schedule = GossipSchedule(
             self._buckets, topology, mode=mode, rank=self.rank, world_size=self.world_size,
             process_group=process_group, consensus=consensus, lr=_lr_of(weakref.ref(self)), comm_dtype=comm_dtype,

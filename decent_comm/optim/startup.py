@@ -258,10 +258,3 @@ def verify_replicas(config: Optional[dict], process_group, world_size: int, time
                 raise in_global_ranks(RuntimeError(
                     f"decent_comm: replicas disagree: rank {r}: {_difference(name, value, ref.get(name))} (every rank "
                     "must build the optimizer with the same parameters and options)"), process_group)
-
-
-@torch.no_grad()
-def broadcast_from_rank0(buckets, process_group):
-    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    for b in buckets:
-        dist.broadcast(b.flat, src=src, group=process_group)
