@@ -1,12 +1,21 @@
 """The optimizer's whole-group collectives outside the gossip - the start-up broadcast of rank 0's parameters, the
 all-reduces of the warm-up, the adaptive statistics and the collective utilities (exchange.bounded) - end within the
-timeout like the gossip does: a rank stalled before the broadcast is named."""
+timeout like the gossip does: a rank stalled before the broadcast is named, and a failure on either side (the gossip
+or these all-reduces) stops a rank waiting for the failed one on the other side instead of letting it wait until
+that process exits (GossipExchange.add_companion)."""
 import time
 
-import decent_comm
+import torch
 
-from dist_utils import run_ranks
+import decent_comm
+from decent_comm.exchange import BoundedAllReduce, ExchangeError
+
+from dist_utils import exit_now, run_ranks
+from exchange_support import Ring
 from optim_cases import make_model
+
+TIMEOUT_S = 20  # what a rank left waiting would wait for
+LINGER_S = 12   # how long a failed rank lives on (saving a checkpoint): past the survivors' errors, short of TIMEOUT_S
 
 
 def _outcome(call):
@@ -38,3 +47,71 @@ def test_a_rank_stalled_before_the_start_up_broadcast_is_named_within_the_timeou
         assert took < 8, took
     assert res[1][0].startswith("ExchangeTimeout: ") and "arrived after the other ranks had stopped waiting" in \
         res[1][0], res[1]
+
+
+def _utility_after_the_gossip_failed(rank, n):
+    """4-rank ring: rank 3 exits; ranks 0 and 2 fail on it in a step and live on; rank 1's step completes (their
+    sends had gone out), and it then calls a collective utility, whose all-reduce waits for ranks 0 and 2."""
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=TIMEOUT_S)
+
+    def step():
+        model(torch.randn(6, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    if rank == 3:
+        exit_now(("exited", 0.0))
+    calls = [step, lambda: opt.global_average().__enter__()] if rank == 1 else [step] * 3
+    for call in calls:  # until one raises (AWC: the first step waits for the exchange rank 3 had posted)
+        result = _outcome(call)
+        if result[0] != "no error":
+            break
+    time.sleep(LINGER_S)
+    return result
+
+
+def test_a_utility_stops_waiting_for_ranks_that_failed_in_the_gossip():
+    """Rank 1's all-reduce waited until ranks 0 and 2 exited (12 s), then said they "did not report this failure":
+    their gossip failure is marked for the whole-group all-reduces too."""
+    res = run_ranks(_utility_after_the_gossip_failed, 4, timeout=150)
+    for rank in (0, 2):
+        assert "receive from rank 3" in res[rank][0], res[rank]
+    words, took = res[1]
+    assert words.startswith("ExchangeError: ") and "global_average()" in words, words
+    assert "failed on ranks [0, 2] first, while this rank waited for it" in words, words
+    assert "ranks [0, 2] raised an error of their own before" in words and "receive from rank 3" in words, words
+    assert took < TIMEOUT_S / 2, took
+
+
+def _gossip_after_an_all_reduce_failed(rank, n):
+    """4 ranks: a point-to-point ring and a whole-group all-reduce, companions as in the optimizer. Rank 3 exits;
+    ranks 0 and 2 fail in the all-reduce and live on; rank 1's ring step waits for them."""
+    ring = Ring(rank, n, TIMEOUT_S)
+    all_reduce = BoundedAllReduce(None, timeout=TIMEOUT_S)
+    ring.ex.add_companion(all_reduce)
+    all_reduce.add_companion(ring.ex)
+    ring()
+    all_reduce(torch.ones(10), "a healthy all-reduce")
+    if rank == 3:
+        exit_now(("exited", 0.0))
+    if rank == 1:
+        time.sleep(1)  # ranks 0 and 2 are in the all-reduce first
+        result = _outcome(ring)
+    else:
+        result = _outcome(lambda: all_reduce(torch.ones(10), "the all-reduce after rank 3 exited"))
+    time.sleep(LINGER_S)
+    return result
+
+
+def test_a_gossip_wait_stops_for_ranks_that_failed_in_a_whole_group_all_reduce():
+    """Rank 1's point-to-point wait on ranks 0 and 2 (exchange.peer_watch) waited until they exited: their
+    all-reduce failure is marked for the gossip too."""
+    res = run_ranks(_gossip_after_an_all_reduce_failed, 4, timeout=150)
+    for rank in (0, 2):
+        assert res[rank][0].startswith("Exchange") and "the all-reduce after rank 3 exited" in res[rank][0], res[rank]
+    words, took = res[1]
+    assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, words
+    assert took < TIMEOUT_S / 2, took

@@ -40,8 +40,9 @@ import collections
 import json
 import sys
 import time
+import weakref
 import zlib
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,7 @@ class BoundedAllReduce:
         self._roster = Roster(namespace, self.rank)
         self._error: Optional[str] = None
         self._closed = False
+        self._companions: List[weakref.ref] = []  # add_companion's objects, weakly: they may hold this one
         # (finish time, tensor) of the gloo all-reduces finished in the last HOLD_S seconds (see HOLD_S)
         self._held: collections.deque = collections.deque()
         _closing.track(self)
@@ -173,6 +175,16 @@ class BoundedAllReduce:
         """Leaves `text`, an error this rank is about to raise of its own, for the other ranks: one whose all-reduce
         then fails names it (exchange.roster's ``report``, ``blame``) instead of taking this rank for dead."""
         self._roster.report(text)
+
+    def mark_failed(self, timed_out: bool = False):
+        """Marks that this rank stopped exchanging (another object's failure, GossipExchange.add_companion): a rank
+        waiting for it in one of these all-reduces stops (exchange.watched_wait) instead of waiting for its exit."""
+        self._roster.mark_failed(timed_out)
+
+    def add_companion(self, other):
+        """`other` (the optimizer's GossipExchange: ``stopped(timed_out)``) is marked stopped when one of these
+        all-reduces fails, so that a rank waiting for this one there stops too."""
+        self._companions.append(weakref.ref(other))
 
     def _check_usable(self, what: str):
         if self._closed:
@@ -255,4 +267,7 @@ class BoundedAllReduce:
             error = ExchangeError(f"decent_comm: {what}: the all-reduce over ranks {everyone} failed"
                                   f"{self._roster.blame(everyone)}: {detail}")
         self._error = str(in_global_ranks(error, self.group))
+        for other in (ref() for ref in self._companions):
+            if other is not None:
+                other.stopped(timed_out=isinstance(error, ExchangeTimeout))
         raise error

@@ -15,12 +15,14 @@ taking this rank for dead. The point-to-point errors come from the C++ transport
 the first of them is reported too (unless the owner reported one), so that a neighbour's neighbour whose transfer
 with this rank fails next names the rank that failed first, not this one; and marked (``Roster.mark_failed``), so
 that a rank whose point-to-point wait on this one blocks while this process lives on stops waiting within about a
-second (exchange.peer_watch) instead of at its timeout.
+second (exchange.peer_watch) instead of at its timeout. ``add_companion(other)``: another object exchanging over the
+same ranks (the optimizer's whole-group all-reduces, exchange.bounded) is told these reports and marks too.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterable, Optional, Sequence
+import weakref
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ class GossipExchange:
         # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
         self.error: Optional[ExchangeError] = None
         self._reported = False  # an error of this rank is in the store already (report: the first one stays)
+        self._companions: List[weakref.ref] = []  # add_companion's objects, weakly: they may hold this one
         # Set before the construction's errors are named (_named reads them).
         self._roster: Optional[Roster] = None
         self.group_allreduce: Optional[GroupAllReduce] = None
@@ -75,12 +78,10 @@ class GossipExchange:
                 # This rank stops exchanging on both paths. A neighbour's failure stops its transfers with its other
                 # neighbours: theirs then fail on this rank ("receive from rank 0 ... failed") and name the first
                 # failure by its words, or stop waiting for it at once (the mark: peer_watch) if it lives on. A
-                # group failure is reported to the point-to-point peers only: the group's members name it by blame.
+                # group failure is reported to the point-to-point peers (and the companions) only: the group's members
+                # name it by blame.
                 if not self._reported:
-                    if path is self.p2p:
-                        self.report(own)
-                    else:
-                        self._roster.report(own)
+                    self._tell(own, group=path is self.p2p)
                     self._reported = True
                 self.stopped(timed_out=isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
@@ -130,13 +131,27 @@ class GossipExchange:
                 path.synchronize()
         self._peers.clear()
 
+    def add_companion(self, other):
+        """`other`, another object exchanging over these ranks with ``report(text)`` and ``mark_failed(timed_out)``
+        (the optimizer's BoundedAllReduce), is told what this one reports and marks: a rank waiting there for one that
+        stopped exchanging here stops too (exchange.watched_wait), instead of waiting until that process exits."""
+        self._companions.append(weakref.ref(other))
+
+    def _others(self) -> list:
+        return [other for other in (ref() for ref in self._companions) if other is not None]
+
     def report(self, text: str):
         """Leaves `text`, an error this rank is about to raise of its own, for the other ranks (see above)."""
         self._reported = True
+        self._tell(text, group=True)
+
+    def _tell(self, text: str, group: bool):
         if self._roster is not None:
             self._roster.report(text)
-        if self.group_allreduce is not None:
+        if group and self.group_allreduce is not None:
             self.group_allreduce.report(text)
+        for other in self._others():
+            other.report(text)
 
     def stopped(self, timed_out: bool = False):
         """Marks that this rank stops exchanging (an error of its own, ``report`` first; this object's own errors mark
@@ -147,6 +162,8 @@ class GossipExchange:
             self._roster.mark_failed(timed_out)
         if self.group_allreduce is not None:
             self.group_allreduce.mark_failed(timed_out)
+        for other in self._others():
+            other.mark_failed(timed_out)
 
     def check_group(self, what: str):
         """RuntimeError when the process group was destroyed (dist.destroy_process_group()) while this exchange,

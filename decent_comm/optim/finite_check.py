@@ -55,9 +55,8 @@ def check_received(s, b, plan: MixPlan, neighbors: List[torch.Tensor]):
 
 def _reported(s, body: str) -> RuntimeError:
     """Leaves `body` for the other ranks and returns this rank's error for it."""
-    for path in (s.exchange, s.all_reduce):  # each construction whose failure another rank may meet next
-        if path is not None:
-            path.report(body)
+    if s.exchange is not None:  # and the whole-group all-reduces (its companion): where another rank may fail next
+        s.exchange.report(body)
     return RuntimeError(f"decent_comm: rank {s.rank}: {body}")
 
 

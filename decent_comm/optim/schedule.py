@@ -94,6 +94,9 @@ class GossipSchedule(ScheduleCheckpoint):
         # `timeout` like the gossip does, instead of waiting for the process group's own (gloo: 30 min).
         self.all_reduce = BoundedAllReduce(process_group, timeout=timeout, device=self.device,
                                            owner="optimizer") if world_size > 1 else None
+        if self.exchange is not None:  # a rank that stops on one stops on both, for the ranks waiting on the other
+            self.exchange.add_companion(self.all_reduce)
+            self.all_reduce.add_companion(self.exchange)
         self.warmup = WarmupAverage(buckets, self.all_reduce, world_size, self.device, self.check_finite,
                                     cadence) if world_size > 1 else None
         self.adaptive = None
