@@ -127,7 +127,7 @@ class _FusedGroupOptions:
     def _complete_loaded_groups(self, groups):
         """A loaded checkpoint's groups (torch's load_state_dict takes them whole): a key the saved optimizer did not
         have (AccumAdamW's accum_steps in torch.optim.AdamW's) takes this one's default, as torch's optimizers
-        setdefault theirs; `capturable` (a GPU AdamW's, which does not change the update) is not carried over."""
+        setdefault theirs; `capturable` (a GPU AdamW's, which does not change the update) is kept as False."""
         for group in groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)

@@ -119,7 +119,7 @@ class Int8Wire:
 
     def __init__(self, topology: Topology, rank: int, block: int = ops.INT8_BLOCK):
         self.topology, self.rank, self.block = topology, rank, block
-        self._payload: Dict[int, torch.Tensor] = {}   # bucket -> what it sends (kept until the exchange ends)
+        self._payload: Dict[int, torch.Tensor] = {}   # bucket -> its send buffer (reused for every exchange)
         self._undecoded: Set[int] = set()            # buckets whose last exchange's payloads are not added yet
         self._names_of = (None, [])                  # _peer_names' last (topology step, neighbours) and its names
 

@@ -32,8 +32,9 @@ class MixPlan:
     # weights == [a / len(group)]; recv and send are empty.
     group: Optional[Tuple[int, ...]] = None
 
-    # delayed_mix (see Cadence.delayed_mix), self_weight 1: "sent": the last buffer mixed is this rank's own copy z
-    # of what it sent, with the weight -(1 - self_weight) of the plan launched: x <- x + sum_j w_j (y_j - z);
+    # A correction, self_weight 1 (delayed_mix, see Cadence.delayed_mix; the int8 and lossy wires' mixes too): "sent":
+    # the last buffer mixed is this rank's own copy z of what it sent, with the weight -(1 - self_weight) of the plan
+    # launched: x <- x + sum_j w_j (y_j - z);
     # "checkpoint": the one buffer mixed is that sum as a checkpoint saved it (weight 1).
     correction: Optional[str] = None
     topo_step: Optional[int] = None  # the topology's step it mixes with (the gossip round)

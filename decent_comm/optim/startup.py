@@ -72,8 +72,8 @@ def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
 
 
 def local_world_size_from_env(process_group=None):
-    """Ranks per node of the group's ranks, from torchrun's LOCAL_WORLD_SIZE, else None (one node). The one place
-    the optimizers read the environment; the topology layer takes the value as an argument.
+    """Ranks per node of the group's ranks, from torchrun's LOCAL_WORLD_SIZE, else None (one node). The topology
+    layer takes the value as an argument (the optimizers read the environment here and in distributed_context).
 
     torchrun puts global rank r on node r // LOCAL_WORLD_SIZE. The group's ranks lie on those nodes in runs: equal
     runs of consecutive group ranks, one per node, give the group's ranks per node; any other layout (a subgroup of
