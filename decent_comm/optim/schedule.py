@@ -36,7 +36,6 @@ from .mix_hooks import MixBeforeUse
 from .param_versions import check_unwritten, note_landed, written
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
-from .teardown import remembers_failure
 from .tracing import log_setup, traced
 from .warmup import WarmupAverage
 from .wire_buffers import WireBuffers
@@ -71,7 +70,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._wire_restored = False      # int8 wire: inflight is a checkpoint's round, nothing to wait for
         self._hooks = None               # atc: MixBeforeUse
         self._shut_down = False          # shutdown() released the exchange: no more steps
-        self.mix_error = None            # atc: the error of a mix still pending (teardown.remembers_failure)
+        self.mix_error = None            # atc: the error of a mix still pending (mix_pending)
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.int8_wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
@@ -258,11 +257,23 @@ class GossipSchedule(ScheduleCheckpoint):
         if self.adaptive is not None:
             self.adaptive.observe_mix(plan, self.meter.total())
 
-    @remembers_failure
     @traced("atc_mix")
     @torch.no_grad()
     def mix_pending(self, bucket_ids=None):
-        """ATC: mix the received half-step buffers into the parameters (all pending, or those listed)."""
+        """ATC: mix the received half-step buffers into the parameters (all pending, or those listed). The error it
+        raises (a failed transfer, a non-finite neighbour under check_finite, a parameter written while in flight) is
+        kept in `mix_error` while the mix it failed is pending, so that shutdown() - called in a `finally:` after it,
+        typically - logs that the mix was not applied instead of raising the same error again. A call mixing other
+        buckets (a later module's pre-hook) keeps it."""
+        try:
+            self._mix_pending(bucket_ids)
+        except Exception as e:
+            self.mix_error = e
+            raise
+        if not self.pending:  # every mix applied: nothing that failed is left
+            self.mix_error = None
+
+    def _mix_pending(self, bucket_ids):
         if not self.pending:
             return
         plan = self._mix_form(self.inflight)

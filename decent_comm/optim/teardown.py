@@ -15,7 +15,6 @@ goes (or in a cyclic collection); and its reference keeps the schedule, and the 
 the garbage until it has run, so their own close-on-collect cannot drain and close them before the mix.
 """
 
-import functools
 import weakref
 
 from ..exchange import close_on_collect, track_owner
@@ -33,20 +32,3 @@ def shut_down_when_dropped(optimizer, schedule) -> None:
     # exception.
     finalizer.atexit = False
     track_owner(schedule, LABEL)
-
-
-def remembers_failure(mix_pending):
-    """For GossipSchedule.mix_pending: the error it raised (a failed transfer, a non-finite neighbour under
-    check_finite, a parameter written while in flight) is kept in the schedule's `mix_error` while the mix it failed
-    is pending, so that shutdown() - called in a `finally:` after it, typically - logs that the mix was not applied
-    instead of raising the same error again. A call mixing other buckets (a later module's pre-hook) keeps it."""
-    @functools.wraps(mix_pending)
-    def remembering(schedule, *args, **kwargs):
-        try:
-            mix_pending(schedule, *args, **kwargs)
-        except Exception as e:
-            schedule.mix_error = e
-            raise
-        if not schedule.pending:  # every mix applied: nothing that failed is left
-            schedule.mix_error = None
-    return remembering
