@@ -111,14 +111,25 @@ def read_checkpoint(file: str, device) -> dict:
     return state
 
 
+#: what a resume at another world size takes instead (a decentralized run's ranks each hold their own replica)
+OTHER_WORLD_SIZE = ("a run resumes from these files at the world size that wrote them only; to go on at another "
+                    "world size, start from the replicas' average as docs/state.md's \"Resuming at another world size "
+                    "or topology\" shows")
+
+
 def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, scheduler, generator) -> Progress:
     step_dir = resolve_resume_dir(path)
     file = os.path.join(step_dir, f"rank{env.rank}.pt")
+    ranks = [int(m.group(1)) for m in map(re.compile(r"rank(\d+)\.pt").fullmatch, os.listdir(step_dir)) if m]
+    if ranks and max(ranks) + 1 != env.world_size:  # said by every rank, one without a file of its own too
+        raise ValueError(f"{step_dir} was written by {max(ranks) + 1} ranks, this job has {env.world_size}: "
+                         f"{OTHER_WORLD_SIZE}")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no checkpoint for rank {env.rank} in {step_dir}")
     state = read_checkpoint(inside(file, step_dir), env.device)
     if state["world_size"] != env.world_size:
-        raise ValueError(f"{step_dir} was written by {state['world_size']} ranks, this job has {env.world_size}")
+        raise ValueError(f"{step_dir} was written by {state['world_size']} ranks, this job has {env.world_size}: "
+                         f"{OTHER_WORLD_SIZE}")
     model.load_state_dict(state["model"])
     strategy.optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

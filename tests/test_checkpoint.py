@@ -121,6 +121,17 @@ def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
         load_checkpoint(str(step), DistEnv(), None, None, None, None)
 
 
+@pytest.mark.parametrize("rank,world_size", [(2, 3), (0, 1)])
+def test_a_resume_at_another_world_size_is_refused_on_every_rank_pointing_at_the_recipe(tmp_path, rank, world_size):
+    """A rank with no file of its own (rank 2 of 3, from 2 ranks' files) said only "no checkpoint for rank 2"."""
+    step = tmp_path / "step_0000001"
+    step.mkdir()
+    for r in (0, 1):
+        torch.save({"model": {}}, step / f"rank{r}.pt")
+    with pytest.raises(ValueError, match=f"written by 2 ranks, this job has {world_size}: .*docs/state.md"):
+        load_checkpoint(str(step), DistEnv(rank=rank, world_size=world_size), None, None, None, None)
+
+
 # -------------------------------------------------------------------- what the harness writes loads
 
 CASES = [
