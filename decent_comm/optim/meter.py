@@ -11,6 +11,10 @@ from .device_scalars import sum_scalars
 
 log = logging.getLogger("decent_comm")
 
+#: what last_disagreement and disagreement() raise without the meter
+OFF = ("disagreement tracking is off (track_disagreement=False; pass track_disagreement=True to the optimizer to "
+       "measure it)")
+
 
 class DisagreementMeter:
     """Per device, one float32 scratch with a slot per (bucket, segment): the fused kernels write each call's
@@ -54,12 +58,14 @@ class DisagreementMeter:
             log.debug("decent_comm: step %d: local disagreement %.6g", step, float(self.total()))
 
     def last(self) -> float:
-        return float(self.total()) if self.enabled and self.valid else 0.0
+        if not self.enabled:  # a 0.0 here read as perfect agreement
+            raise RuntimeError(OFF)
+        return float(self.total()) if self.valid else 0.0
 
     def values(self, per_bucket: bool, device) -> torch.Tensor:
         """float64 on `device`: the total (shape [1]) or one entry per bucket; zeros before the first mix."""
         if not self.enabled:
-            raise RuntimeError("disagreement tracking is off (track_disagreement=False)")
+            raise RuntimeError(OFF)
         if per_bucket:
             vals = [self._buf[b.device][self._off[b.index]:self._off[b.index] + max(1, len(b.slots))].sum().to(device)
                     for b in self._buckets]

@@ -115,7 +115,8 @@ class ReplicaWatch:
         """This rank's disagreement with its neighbours at the last mix: sum over all parameters of
         ||mixed - x_old||^2, mixed = sum_j W'_ij x_j (the squared distance to the neighbourhood average, scaled by
         the consensus factor), computed by the fused kernels in the same pass as the mix. Local (no
-        communication); reading it waits for the device. 0.0 before the first mix or without mixing. In ATC
+        communication); reading it waits for the device. 0.0 before the first mix or without mixing; RuntimeError when
+        tracking is off (track_disagreement=False, and not an adaptive topology that needs it). In ATC
         mode it is that of the last exchange once every bucket has been mixed (the mix runs at the next step or
         in the forward pre-hooks). ``disagreement(all_reduce=True)`` gives the mean over ranks."""
         return self._schedule.meter.last()
