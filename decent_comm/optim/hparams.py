@@ -22,7 +22,8 @@ from typing import Optional, Tuple
 def decentralized_adam_hparams(lr: float, world_size: Optional[int] = None, betas: Tuple[float, float] = (0.9, 0.999),
                                accum_steps: int = 1) -> dict:
     """lr and betas for DAdam(W) (accum_steps=1) or AccumAdam(W) (accum_steps=K) next to an all-reduce
-    AdamW run at (`lr`, `betas`) on `world_size` ranks (default: the default process group's size).
+    AdamW run at (`lr`, `betas`) on `world_size` ranks (default: the default process group's size). The dict holds
+    `lr` and `betas` only: pass AccumAdamW the same K as its own `accum_steps` (default 4).
 
         opt = decent_comm.DAdamW(model.parameters(), **decentralized_adam_hparams(3e-4), topology="one-peer-exp")
     """
