@@ -111,7 +111,39 @@ def test_a_gossip_wait_stops_for_ranks_that_failed_in_a_whole_group_all_reduce()
     all-reduce failure is marked for the gossip too."""
     res = run_ranks(_gossip_after_an_all_reduce_failed, 4, timeout=150)
     for rank in (0, 2):
-        assert res[rank][0].startswith("Exchange") and "the all-reduce after rank 3 exited" in res[rank][0], res[rank]
+        words = res[rank][0]
+        assert words.startswith("Exchange") and "the all-reduce after rank 3 exited" in words, res[rank]
+        # rank 1, told before the blame's grace, stopped and marked itself within it: not named as missing
+        assert "rank 3 did not report" in words and "[1, 3]" not in words, words
     words, took = res[1]
     assert words.startswith("ExchangeError: ") and "failed first and stopped exchanging" in words, words
+    assert "raised an error of" in words and "the all-reduce after rank 3 exited" in words, words
     assert took < TIMEOUT_S / 2, took
+
+
+def _utility_after_check_finite_raised(rank, n):
+    """Every rank raises check_finite's error for rank 0's NaN gradient in the warm-up, and lives on; then they all
+    call a collective utility, rank 2 late by more than a look (watched_wait.POLL_S)."""
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=TIMEOUT_S, check_finite=True,
+                             warmup_steps=5)
+    for t in range(3):
+        model(torch.randn(6, 4)).sum().backward()
+        if t == 1 and rank == 0:
+            model[0].weight.grad[0, 0] = float("nan")
+        first = _outcome(opt.step)
+        opt.zero_grad()
+        if first[0] != "no error":
+            break
+    if rank == 2:
+        time.sleep(1.5)
+    return first[0], _outcome(lambda: opt.global_average().__enter__())
+
+
+def test_an_error_of_check_finite_does_not_stop_a_later_whole_group_all_reduce():
+    """Its mark reaches the gossip's peers only: on the whole-group all-reduces too, it stopped every later one that
+    took longer than a look, saying ranks [1, 2] failed first (review BQ)."""
+    res = run_ranks(_utility_after_check_finite_raised, 3, timeout=150)
+    for rank, (raised, (words, took)) in enumerate(res):
+        assert raised.startswith("RuntimeError: ") and "not finite" in raised, (rank, raised)
+        assert words == "no error", (rank, words)

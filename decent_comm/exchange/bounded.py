@@ -182,8 +182,8 @@ class BoundedAllReduce:
         self._roster.mark_failed(timed_out)
 
     def add_companion(self, other):
-        """`other` (the optimizer's GossipExchange: ``stopped(timed_out)``) is marked stopped when one of these
-        all-reduces fails, so that a rank waiting for this one there stops too."""
+        """`other` (the optimizer's GossipExchange: ``companion_failed(text, timed_out)``) is told when one of these
+        all-reduces fails, so that a rank waiting for this one there stops too, quoting `text`."""
         self._companions.append(weakref.ref(other))
 
     def _check_usable(self, what: str):
@@ -255,19 +255,19 @@ class BoundedAllReduce:
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
             detail = str(e)
         everyone = list(range(self.world_size))
+        said = f"decent_comm: {what}: the all-reduce over ranks {everyone}"
         if first is not None:  # a timeout of theirs is this rank's too: it waits for the same silent member
-            error = (ExchangeTimeout if first.timed_out else ExchangeError)(
-                f"decent_comm: {what}: the all-reduce over ranks {everyone} {first.words()}"
-                f"{self._roster.blame(everyone, timed_out=first.timed_out)}")
+            kind, said, after = ExchangeTimeout if first.timed_out else ExchangeError, f"{said} {first.words()}", ""
         elif self.bounded and time.monotonic() - started + 0.01 >= self.timeout:
-            error = ExchangeTimeout(f"decent_comm: {what}: the all-reduce over ranks {everyone} did not complete "
-                                    f"within {self.timeout * 1e3:.0f} ms{self._roster.blame(everyone, timed_out=True)}"
-                                    + (f"; transport: {detail}" if detail else ""))
+            kind, said = ExchangeTimeout, f"{said} did not complete within {self.timeout * 1e3:.0f} ms"
+            after = f"; transport: {detail}" if detail else ""
         else:
-            error = ExchangeError(f"decent_comm: {what}: the all-reduce over ranks {everyone} failed"
-                                  f"{self._roster.blame(everyone)}: {detail}")
-        self._error = str(in_global_ranks(error, self.group))
+            kind, said, after = ExchangeError, f"{said} failed", f": {detail}"
+        # The companions first (a rank waiting for this one in the gossip stops, and marks itself, within the grace
+        # that blame() waits for the members' marks: not named as missing), then the members' words.
         for other in (ref() for ref in self._companions):
             if other is not None:
-                other.stopped(timed_out=isinstance(error, ExchangeTimeout))
+                other.companion_failed(said + after, timed_out=kind is ExchangeTimeout)
+        error = kind(said + self._roster.blame(everyone, timed_out=kind is ExchangeTimeout) + after)
+        self._error = str(in_global_ranks(error, self.group))
         raise error

@@ -16,7 +16,8 @@ the first of them is reported too (unless the owner reported one), so that a nei
 with this rank fails next names the rank that failed first, not this one; and marked (``Roster.mark_failed``), so
 that a rank whose point-to-point wait on this one blocks while this process lives on stops waiting within about a
 second (exchange.peer_watch) instead of at its timeout. ``add_companion(other)``: another object exchanging over the
-same ranks (the optimizer's whole-group all-reduces, exchange.bounded) is told these reports and marks too.
+same ranks (the optimizer's whole-group all-reduces, exchange.bounded) is told these reports, and this object's own
+failures' marks; its failures come back through ``companion_failed``.
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ class GossipExchange:
                     self._tell(own, group=path is self.p2p)
                     self._reported = True
                 self.stopped(timed_out=isinstance(e, ExchangeTimeout))
+                for other in self._others():  # a failed exchange ends the optimizer: its all-reduces too
+                    other.mark_failed(isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = named
@@ -133,8 +136,9 @@ class GossipExchange:
 
     def add_companion(self, other):
         """`other`, another object exchanging over these ranks with ``report(text)`` and ``mark_failed(timed_out)``
-        (the optimizer's BoundedAllReduce), is told what this one reports and marks: a rank waiting there for one that
-        stopped exchanging here stops too (exchange.watched_wait), instead of waiting until that process exits."""
+        (the optimizer's BoundedAllReduce), is told what this one reports, and marked when this one fails: a rank
+        waiting there for one whose exchange failed stops too (exchange.watched_wait), instead of waiting until that
+        process exits."""
         self._companions.append(weakref.ref(other))
 
     def _others(self) -> list:
@@ -145,25 +149,34 @@ class GossipExchange:
         self._reported = True
         self._tell(text, group=True)
 
-    def _tell(self, text: str, group: bool):
+    def _tell(self, text: str, group: bool, companions: bool = True):
         if self._roster is not None:
             self._roster.report(text)
         if group and self.group_allreduce is not None:
             self.group_allreduce.report(text)
-        for other in self._others():
+        for other in self._others() if companions else ():
             other.report(text)
+
+    def companion_failed(self, text: str, timed_out: bool = False):
+        """A companion's collective failed on this rank (`text`, its error before the blame): reported (unless an
+        error was already) and marked on this object's paths, so that a peer whose wait for this rank blocks stops
+        (exchange.peer_watch) quoting `text`; not told back to the companion, whose members name it themselves."""
+        if not self._reported:
+            self._tell(text, group=True, companions=False)
+            self._reported = True
+        self.stopped(timed_out)
 
     def stopped(self, timed_out: bool = False):
         """Marks that this rank stops exchanging (an error of its own, ``report`` first; this object's own errors mark
         themselves), for the peers whose wait for it would else block until its process exits or their timeout
         passes. On both paths: a point-to-point peer's watch (exchange.peer_watch) and a group member's sliced wait
-        (exchange.watched_wait) look for it in their own path's store namespace (Roster.mark_failed)."""
+        (exchange.watched_wait) look for it in their own path's store namespace (Roster.mark_failed). Not on the
+        companions': an owner's error (check_finite's) leaves the whole-group all-reduces usable, and a mark there
+        would stop every later one that takes longer than a look (review BQ)."""
         if self._roster is not None:
             self._roster.mark_failed(timed_out)
         if self.group_allreduce is not None:
             self.group_allreduce.mark_failed(timed_out)
-        for other in self._others():
-            other.mark_failed(timed_out)
 
     def check_group(self, what: str):
         """RuntimeError when the process group was destroyed (dist.destroy_process_group()) while this exchange,
