@@ -89,10 +89,12 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group, timeout, what: 
     """Copies each of `tensors` from rank 0 of `group` (None: the default group) to the other ranks, in place, held to
     `timeout` like the all-reduces below: the ranks meet first (wait_for_ranks: one that does not come within
     `timeout` is named on every rank that did, ExchangeTimeout), and on gloo each broadcast's wait is bounded too
-    (ExchangeTimeout; a rank that exited: ExchangeError). A plain dist.broadcast waited for a rank stalled before it
-    for the process group's own timeout (gloo: 30 min). `what` names the call in the errors."""
+    (ExchangeTimeout; a rank that exited: ExchangeError), naming the ranks that did not report its failure, as the
+    all-reduces' errors do (exchange.roster). A plain dist.broadcast waited for a rank stalled before it for the
+    process group's own timeout (gloo: 30 min). `what` names the call in the errors."""
     seconds = timeout_seconds(timeout, f"{what}: ")
-    wait_for_ranks(group, seconds, what)
+    roster = Roster(wait_for_ranks(group, seconds, what), dist.get_rank(group))  # a namespace of this call's own
+    everyone = list(range(dist.get_world_size(group)))
     src = dist.get_global_rank(group, 0) if group is not None else 0
     gloo = "nccl" not in str(dist.get_backend(group))
     for i, tensor in enumerate(tensors):
@@ -100,15 +102,19 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group, timeout, what: 
         if not gloo:
             work.wait()  # NCCL: stream-ordered, ended by its own watchdog (see the module's docstring)
             continue
+        said = f"decent_comm: {what}: the broadcast of tensor {i} from rank 0"
         try:
-            wait_watching(work, seconds, lambda: {})
+            wait_watching(work, seconds, lambda: roster.failed(everyone))
+            continue
         except WaitTimedOut:
-            raise in_global_ranks(ExchangeTimeout(
-                f"decent_comm: {what}: the broadcast of tensor {i} from rank 0 did not complete within {seconds:g} s"),
-                group) from None
+            kind, said, cause = ExchangeTimeout, f"{said} did not complete within {seconds:g} s", None
+        except MembersFailed as e:
+            kind, said, cause = ExchangeTimeout if e.timed_out else ExchangeError, f"{said} {e.words()}", None
         except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError subclasses (DistBackendError, ...)
-            raise in_global_ranks(ExchangeError(
-                f"decent_comm: {what}: the broadcast of tensor {i} from rank 0 failed: {e}"), group) from e
+            kind, said, cause = ExchangeError, f"{said} failed", e
+        # the members that did not report this failure too are named (the likely cause: a rank stalled or died)
+        words = said + roster.blame(everyone, timed_out=kind is ExchangeTimeout) + (f": {cause}" if cause else "")
+        raise in_global_ranks(kind(words), group) from cause
 
 
 class BoundedAllReduce:
