@@ -3,12 +3,13 @@ all-reduces of the warm-up, the adaptive statistics and the collective utilities
 timeout like the gossip does: a rank stalled before the broadcast is named, and a failure on either side (the gossip
 or these all-reduces) stops a rank waiting for the failed one on the other side instead of letting it wait until
 that process exits (GossipExchange.add_companion)."""
+import re
 import time
 
 import torch
 
 import decent_comm
-from decent_comm.exchange import BoundedAllReduce, ExchangeError
+from decent_comm.exchange import BoundedAllReduce
 
 from dist_utils import exit_now, run_ranks
 from exchange_support import Ring
@@ -47,6 +48,29 @@ def test_a_rank_stalled_before_the_start_up_broadcast_is_named_within_the_timeou
         assert took < 8, took
     assert res[1][0].startswith("ExchangeTimeout: ") and "arrived after the other ranks had stopped waiting" in \
         res[1][0], res[1]
+
+
+def _died_after_the_meeting(rank, n):
+    import decent_comm.exchange.bounded as bounded
+    meet = bounded.wait_for_ranks
+
+    def meet_then_die(*args):
+        base = meet(*args)
+        if rank == 1:
+            exit_now(("exited", 0.0))
+        return base
+
+    bounded.wait_for_ranks = meet_then_die
+    return _outcome(lambda: decent_comm.DAdamW(make_model(rank).parameters(), topology="ring", timeout=3))
+
+
+def test_a_rank_that_dies_in_the_start_up_broadcast_is_named_by_its_source():
+    """Rank 1 dies after the broadcast's meeting: rank 0's error named no rank (the transport's words only)."""
+    res = run_ranks(_died_after_the_meeting, 3, timeout=120)
+    words, took = res[0]
+    assert words.startswith("ExchangeError: ") and "the broadcast of tensor 0 from rank 0 failed" in words, words
+    assert re.search(r"(rank 1|ranks \[1, 2\]) did not report this failure", words), words
+    assert took < 8, took
 
 
 def _utility_after_the_gossip_failed(rank, n):
