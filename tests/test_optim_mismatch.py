@@ -137,6 +137,9 @@ ONE_RANK_REFUSES = {  # rank 1's options fail its own checks; the others' are va
     "timeout": (dict(timeout=-1), "timeout must be a positive number"),
     "Topology object": (dict(topology=_RowsSumTo1_2(3)), "sum to 1.2, not 1"),
     "consensus": (dict(consensus="0.5"), "consensus factor must be a number"),  # from a config file: a string
+    # torch's own argument checks, before the meeting: the others met this rank's next attempt (review BQ)
+    "lr": (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    "amsgrad": (dict(amsgrad=True), "amsgrad"),
 }
 
 

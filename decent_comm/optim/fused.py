@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from .base import DecentralizedMixin
+from .startup import refusal_told
 from .step_counts import grads_present
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
@@ -175,15 +176,16 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
                  foreach=None, differentiable=False, fused=None, **decentralized):
-        _check_common(lr, weight_decay)
-        if momentum < 0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        _reject_unsupported("DSGD", maximize=maximize, differentiable=differentiable)
-        opts = _split_options(decentralized)
-        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                                          weight_decay=weight_decay, nesterov=nesterov))
+        with refusal_told(decentralized):
+            _check_common(lr, weight_decay)
+            if momentum < 0:
+                raise ValueError(f"Invalid momentum value: {momentum}")
+            if nesterov and (momentum <= 0 or dampening != 0):
+                raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            _reject_unsupported("DSGD", maximize=maximize, differentiable=differentiable)
+            opts = _split_options(decentralized)
+            torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                                              weight_decay=weight_decay, nesterov=nesterov))
         self._init_decentralized(**opts)
 
     def _check_group(self, group, where):
@@ -231,12 +233,13 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, _extra_defaults=None,
                  **decentralized):
-        _check_common(lr, weight_decay, eps, betas)
-        _reject_unsupported(type(self).__name__, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
-                            differentiable=differentiable)
-        opts = _split_options(decentralized)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
-        torch.optim.Optimizer.__init__(self, params, defaults)
+        with refusal_told(decentralized):
+            _check_common(lr, weight_decay, eps, betas)
+            _reject_unsupported(type(self).__name__, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                                differentiable=differentiable)
+            opts = _split_options(decentralized)
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
+            torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
 
     def _check_group(self, group, where):
@@ -299,8 +302,9 @@ class AccumAdam(_AdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  accum_steps=4, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  **decentralized):
-        if int(accum_steps) != accum_steps or accum_steps < 1:
-            raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
+        with refusal_told(decentralized):
+            if int(accum_steps) != accum_steps or accum_steps < 1:
+                raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          _extra_defaults=dict(accum_steps=int(accum_steps)), **decentralized)

@@ -2,6 +2,7 @@
 (from a name, a Topology or matrices, with ranks-per-node read here from torchrun's environment), and the
 start-up checks that every rank holds the same replica and configuration."""
 
+import contextlib
 import itertools
 import logging
 import os
@@ -258,3 +259,23 @@ def verify_replicas(config: Optional[dict], process_group, world_size: int, time
                 raise in_global_ranks(RuntimeError(
                     f"decent_comm: replicas disagree: rank {r}: {_difference(name, value, ref.get(name))} (every rank "
                     "must build the optimizer with the same parameters and options)"), process_group)
+
+
+@contextlib.contextmanager
+def refusal_told(options: dict):
+    """Around what an optimizer's constructor checks before its meeting (torch's own argument checks, and
+    torch.optim.Optimizer.__init__'s): a refusal there is told to the other ranks at the meeting they wait in
+    (verify_replicas), as the refusals after it are, so that every rank raises at once, naming this one. Else they
+    waited for it and met its next attempt, pairing their first construction with its second (review BQ).
+    `options`: the constructor's decentralized keyword arguments (process_group, timeout), as given."""
+    try:
+        yield
+    except Exception as exc:
+        group, timeout = options.get("process_group"), options.get("timeout")
+        try:
+            _, world_size = distributed_context(group)
+            if world_size > 1:
+                verify_replicas(None, group, world_size, usable_timeout(timeout), refusal=exc)
+        except Exception:  # noqa: BLE001 - no group to tell, or the others' verdict: this rank's own refusal is raised
+            pass
+        raise

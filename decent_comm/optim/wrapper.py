@@ -9,6 +9,7 @@ from .. import ops
 from .device_scalars import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
+from .startup import refusal_told
 from .tracing import traced
 
 
@@ -31,18 +32,19 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     _round_state_for_stateless_params = False
 
     def __init__(self, inner: torch.optim.Optimizer, **decentralized):
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
-        if isinstance(inner, DecentralizedMixin):
-            # (accepted, it failed at its second rank's first step, saying parameters were written while being sent)
-            raise ValueError(f"Decentralized wraps a torch.optim optimizer, got decent_comm's {type(inner).__name__}, "
-                             "which is decentralized already: step it directly (two gossip schedules over the same "
-                             "parameters cannot work)")
-        if isinstance(inner, torch.optim.SparseAdam):
-            raise ValueError("Decentralized cannot wrap torch.optim.SparseAdam: it takes sparse gradients only, and the "
-                             "flat buckets hold every gradient dense; wrap torch.optim.Adam, or use DSGD / "
-                             "Decentralized(torch.optim.SGD), which take sparse gradients")
-        opts = _split_options(decentralized)
+        with refusal_told(decentralized):
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise TypeError(f"Decentralized wraps a torch.optim.Optimizer, got {type(inner).__name__}")
+            if isinstance(inner, DecentralizedMixin):
+                # (accepted, it failed at its second rank's first step, saying parameters were written while sent)
+                raise ValueError(f"Decentralized wraps a torch.optim optimizer, got decent_comm's "
+                                 f"{type(inner).__name__}, which is decentralized already: step it directly (two "
+                                 "gossip schedules over the same parameters cannot work)")
+            if isinstance(inner, torch.optim.SparseAdam):
+                raise ValueError("Decentralized cannot wrap torch.optim.SparseAdam: it takes sparse gradients only, "
+                                 "and the flat buckets hold every gradient dense; wrap torch.optim.Adam, or use DSGD / "
+                                 "Decentralized(torch.optim.SGD), which take sparse gradients")
+            opts = _split_options(decentralized)
         self.inner = inner
         self.defaults = inner.defaults
         # What torch.optim.Optimizer.__init__ sets up besides the groups: hook tables (OrderedDicts, which the
