@@ -37,7 +37,7 @@ from .replica_watch import ReplicaWatch
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
 from .teardown import shut_down_when_dropped
-from .startup import (check_options, distributed_context, replica_config,
+from .startup import (check_options, distributed_context, refusal_told, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
 from .user_edits import StateWatch, adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout
@@ -80,8 +80,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         self.rank, self.world_size = distributed_context(process_group)
         # What this rank refuses is told to the others when they meet in verify_replicas, so that every rank raises
         # at once, naming this rank and why, instead of waiting for it until the timeout.
-        config, refusal = None, None
-        try:
+        config = None
+        with refusal_told(dict(process_group=process_group, timeout=timeout)):
             if mode not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
             check_options(timeout=timeout, comm_dtype=comm_dtype, model=model, consensus=consensus,
@@ -107,16 +107,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
                                         bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every,
                                         warmup_steps=warmup_steps, delayed_mix=delayed_mix,
                                         broadcast_init=broadcast_init, check_finite=check_finite)
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
-            refusal = e
         if self.world_size > 1:
-            try:
-                verify_replicas(config, process_group, self.world_size, usable_timeout(timeout), refusal=refusal)
-            except Exception:
-                if refusal is None:
-                    raise  # else this rank's own refusal, the cause, is what it raises
-        if refusal is not None:
-            raise refusal
+            verify_replicas(config, process_group, self.world_size, usable_timeout(timeout))
         self._groups_built = group_layout(self.param_groups)
         self._state_watch = StateWatch()
         self._closure, self._closure_loss, self._model = None, None, model

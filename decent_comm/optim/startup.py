@@ -263,11 +263,12 @@ def verify_replicas(config: Optional[dict], process_group, world_size: int, time
 
 @contextlib.contextmanager
 def refusal_told(options: dict):
-    """Around what an optimizer's constructor checks before its meeting (torch's own argument checks, and
-    torch.optim.Optimizer.__init__'s): a refusal there is told to the other ranks at the meeting they wait in
-    (verify_replicas), as the refusals after it are, so that every rank raises at once, naming this one. Else they
-    waited for it and met its next attempt, pairing their first construction with its second (review BQ).
-    `options`: the constructor's decentralized keyword arguments (process_group, timeout), as given."""
+    """Around what an optimizer's constructor checks before the ranks compare their configurations (torch's own
+    argument checks, torch.optim.Optimizer.__init__'s, then decent_comm's options: _init_decentralized): a refusal
+    there is told to the other ranks at the meeting they wait in (verify_replicas), so that every rank raises at once,
+    naming this one, instead of waiting for it until the timeout or meeting its next attempt, pairing their first
+    construction with its second (review BQ). `options`: the constructor's decentralized keyword arguments
+    (process_group, timeout), as given."""
     try:
         yield
     except Exception as exc:
