@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <limits>
 
+#include "kernels/int8_codec_math.h"  // kInt8MaxBlock
+
 namespace decent_comm {
 
 #ifdef DECENT_COMM_WITH_CUDA
@@ -106,8 +108,8 @@ void OpCall::set_payloads(at::TensorList payloads, int64_t offset, int64_t block
   TORCH_CHECK(payloads.size() == num_copies_, op_, ": got ", num_copies_, " copies but ", payloads.size(),
               " payloads (one payload per copy)");
   if (payloads.empty()) return;
-  TORCH_CHECK(block >= 4 && block <= 8192 && block % 4 == 0, op_, ": payload_block must be a multiple of 4 in "
-              "[4, 8192] (int8_encode_'s block), got ", block);
+  TORCH_CHECK(block >= 4 && block <= kInt8MaxBlock && block % 4 == 0, op_, ": payload_block must be a multiple of 4 "
+              "in [4, ", kInt8MaxBlock, "] (int8_encode_'s block), got ", block);
   TORCH_CHECK(offset >= 0, op_, ": payload_offset must be >= 0, got ", offset);
   // The CUDA kernels index payloads in 32 bits (2^31 elements: an 8 GiB float32 bucket).
   TORCH_CHECK(offset + x_.sym_numel() < (int64_t(1) << 31), op_, ": payload_offset + len(x) = ",

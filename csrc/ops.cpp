@@ -68,8 +68,9 @@ void mix_sgd_impl(const at::Tensor& x, at::TensorList neighbors, double self_wei
   hp.momentum = c.nonnegative("momentum", momentum);
   hp.dampening = c.finite("dampening", dampening);
   hp.weight_decay = c.nonnegative("weight_decay", weight_decay);
-  TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), c.op(),
-              ": nesterov momentum requires momentum > 0 and dampening = 0");
+  // As torch.optim.SGD's step: Nesterov needs a momentum buffer; a dampening set after construction (torch checks it
+  // there only) damps the buffer as for plain momentum (fused_math.h's sgd update takes both).
+  TORCH_CHECK(!nesterov || momentum > 0, c.op(), ": nesterov momentum requires momentum > 0");
   hp.nesterov = nesterov;
   hp.first_step = first_step;
   UpdateKind kind = UpdateKind::Sgd;

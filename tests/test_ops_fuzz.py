@@ -52,7 +52,7 @@ def calls(draw):
     c["hp"] = {name: draw(st.sampled_from(values)) for name, values in HYPER[op].items()}
     c["step"] = draw(st.sampled_from(STEPS))
     if op == "sgd":
-        c["hp"]["nesterov"] = c["hp"]["momentum"] > 0 and c["hp"]["dampening"] == 0 and draw(st.booleans())
+        c["hp"]["nesterov"] = c["hp"]["momentum"] > 0 and draw(st.booleans())
         c["first_step"] = draw(st.booleans())  # the host flag; a device count decides by itself (step == 1)
     else:
         c["hp"]["decoupled"] = draw(st.booleans())

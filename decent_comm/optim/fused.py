@@ -188,13 +188,6 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                                                               weight_decay=weight_decay, nesterov=nesterov))
         self._init_decentralized(**opts)
 
-    def _check_group(self, group, where):
-        # torch.optim.SGD checks this at construction only, and a later damped Nesterov runs there; the kernels
-        # take Nesterov without dampening, so it is refused here, naming the group, before anything moves.
-        if group.get("nesterov") and group.get("momentum", 0) != 0 and group.get("dampening", 0) != 0:
-            raise ValueError(f"{where}: nesterov=True with dampening={group['dampening']}: Nesterov momentum "
-                             "requires zero dampening")
-
     _STATE_NAMES = ("momentum_buffer",)
     # The count is the steps since the buffer started: a parameter whose buffer is dropped (opt.state[p]
     # ["momentum_buffer"] = None, del, a checkpoint without it) restarts at 0, and its buffer at g, as torch's.
