@@ -11,6 +11,10 @@ forward of a module that holds it directly (in its own ``_parameters``), not rea
 
 Under torch.compile (model= hooks, traced into the forward) nothing is deferred: the first trace of a compiled forward
 turns deferral off for good and applies the pending mix there (_stop_deferring), so the graph holds no mix.
+A CUDA graph capture of a forward turns deferral off for good too (MixBeforeUse._captured): a replay runs no
+Python hook, so from then on step() applies every mix itself and the replays read mixed parameters. A mix pending
+at the capture cannot be applied in it (waiting for the exchange queries and waits on events recorded outside the
+capture, which invalidates it, and the mix would be baked into every replay): a RuntimeError says to apply it first.
 
 A pending mix is also applied before such a module's ``state_dict()`` is taken (a state_dict pre-hook on each
 module whose forward pre-hook defers a bucket): ``torch.save(model.state_dict())`` before ``opt.state_dict()``
@@ -48,7 +52,9 @@ class MixBeforeUse:
         self._distrusted: Set[int] = set()  # buckets a training forward used without their module's hook
         self._covers: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._handles = []
-        self._compiled = False  # a compiled forward was traced: nothing is deferred any more (_stop_deferring)
+        # A compiled forward was traced, or a forward captured into a CUDA graph: nothing is deferred any more, step()
+        # mixes every bucket (_stop_deferring, _captured)
+        self._deferral_off = False
         self._global = model is None
         if model is not None:
             _warn_if_compiled_before(model)
@@ -93,6 +99,12 @@ class MixBeforeUse:
                 _mix_every_pending(self)
             return
         evaluation = torch.is_inference_mode_enabled() or not (torch.is_grad_enabled() or module.training)
+        # is_initialized() first: a Python flag (0.1 us; is_available() took 3 us a hook), and no CUDA call on CPU (a
+        # capture needs CUDA initialized). Only a module holding the optimizer's parameters counts: the global hook
+        # also sees other models' captures.
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing() and self._holds_ours(module):
+            self._captured(module, evaluation)
+            return
         if evaluation and self._holds_ours(module):
             # an evaluation: every pending mix now, nothing learned (module docstring); not a no_grad forward of a
             # module in training mode (reentrant activation checkpointing), nor another model's (a frozen teacher)
@@ -103,6 +115,33 @@ class MixBeforeUse:
         # Ownership is learned from modules seen running (not declared): a module that never runs covers
         # nothing, so a parameter another module reads directly keeps its bucket mixed at the end of step().
         self._mix_for(module, learn=True)
+
+    def _captured(self, module, evaluation: bool):
+        """`module`'s forward is being captured into a CUDA graph, whose replays run no Python hook: deferral is off
+        for good, so step() applies every mix before it returns (exactly ATC, without the overlap) and each replay
+        reads mixed parameters. A mix the capture would read (the module's own buckets; in an evaluation, which may
+        read parameters without running their modules, any) cannot be applied here: waiting for its exchange queries
+        an event (forbidden in a global-mode capture: the capture is invalidated) and makes the capturing stream wait
+        on one recorded outside it (an error that fails the exchange and aborts its communicator: every neighbour
+        times out), and the mix kernel would be captured, re-run by every replay. So the exchange is not touched and
+        the capture refused; the mix stays pending, for synchronize() or an eager forward to apply."""
+        self._deferral_off = True
+        schedule = self._schedule()
+        if schedule is None:  # the optimizer is gone
+            return
+        if evaluation:  # (which teaches the hooks nothing, as outside a capture)
+            reads = set(schedule.pending)
+        else:
+            ids = self._owned.get(module)
+            reads = schedule.pending.intersection(self._learn(module) if ids is None else ids)
+        if reads:
+            raise RuntimeError(
+                f"decent_comm: mode='atc': a forward of {type(module).__name__} is being captured into a CUDA graph "
+                f"while the last step's mix of its parameters (buckets {sorted(reads)}) is still pending: ATC defers "
+                "it to the forward's hooks, which a replay does not run, and it cannot be applied inside the capture. "
+                "Apply it before capturing: call opt.synchronize() on every rank (a collective), or run the forward "
+                "once eagerly first (torch.cuda.make_graphed_callables's warm-up iterations do). From this capture "
+                "on, step() applies every mix itself, so the replays read mixed parameters.")
 
     def _schedule_pending(self) -> bool:
         schedule = self._schedule()
@@ -134,8 +173,9 @@ class MixBeforeUse:
         return _Detached, ()
 
     def deferrable(self) -> Set[int]:
-        """Buckets whose every parameter is held by a module whose pre-hook will mix it before use."""
-        if self._compiled:
+        """Buckets whose every parameter is held by a module whose pre-hook will mix it before use (none once deferral
+        is off: a compiled forward or a CUDA graph capture was seen)."""
+        if self._deferral_off:
             return set()
         return {b for b, missing in self._missing.items() if not missing and b not in self._distrusted}
 
@@ -190,7 +230,7 @@ def _stop_deferring(hooks: MixBeforeUse) -> bool:
     was a torch.compiler.disable'd call in it after every eager step (a graph break per deferring module, and
     fullgraph=True raised Dynamo's "Skip calling torch.compiler.disable()'d function"). Only a trace runs this:
     a cached graph does not, hence off for good (idempotent: a retrace or a second compiled model repeats it)."""
-    hooks._compiled = True
+    hooks._deferral_off = True
     _mix_every_pending(hooks)  # (run here as plain Python: Dynamo calls this function, it does not trace it)
     return True
 
