@@ -205,6 +205,8 @@ def test_a_model_with_mix_hooks_pickles_and_its_copy_is_inert():
     for twin in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
         torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
         assert twin.state_dict().keys() == model.state_dict().keys()
+        with torch.no_grad():  # an evaluation of the copy (its hooks raised AttributeError '_covers')
+            torch.testing.assert_close(twin.eval()(x), model(x), rtol=0, atol=0)
     opt.shutdown()
 
 

@@ -248,5 +248,8 @@ class _Detached(MixBeforeUse):
 
     _schedule = staticmethod(lambda: None)
 
-    def __init__(self):  # noqa: D107 - nothing to hold
-        pass
+    def __init__(self):  # noqa: D107
+        # Holds no parameter. The tables are what the inherited hooks read before they find no schedule (an evaluation
+        # of the copy raised AttributeError '_covers'). Not no-op overrides: copy.deepcopy copies a bound method with
+        # its function, so a deep copy's hooks stay MixBeforeUse's methods.
+        self._bucket_of, self._covers = {}, weakref.WeakKeyDictionary()
