@@ -6,8 +6,14 @@
 #   bash bench/gpu_check.sh             the logs, JUnit XML and JSON packed into ${OUT:-bench/results}/gpu_check.tar.gz
 #   DRY_RUN=1 bash bench/gpu_check.sh   no GPU needed: every step on the CPU, small, to check this script
 # Every step runs under a timeout that leaves the summary its time before GPU_CHECK_SECONDS (default 450): a hung
-# test or benchmark costs its step, not the verdict. The device tool returns at most 8 files from $OUT, so the
+# test or benchmark costs its step, not the verdict. A step cut at its bound gets SIGINT, which pytest handles by
+# writing the JUnit XML of the tests it finished (SIGTERM wrote none: the step's every result was lost) and the
+# benchmarks by stopping with KeyboardInterrupt; SIGKILL follows 10 s later. The summary counts a cut test step as
+# a failure (the tests after the cut did not run). The device tool returns at most 8 files from $OUT, so the
 # step outputs are written to a scratch folder and packed into one archive on exit, whatever ended the script.
+# The run call's timeout_s must be at least GPU_CHECK_SECONDS + 30 s (480 by default): the CPU steps after the
+# verdict may run up to GPU_CHECK_SECONDS, a cut step's SIGKILL comes up to 10 s after its bound, and the python
+# start-ups and the archive take a few seconds more; a run killed by the tool packs no archive.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
@@ -23,6 +29,9 @@ DEADLINE="${GPU_CHECK_SECONDS:-450}"
 SUMMARY_RESERVE=20
 step() { echo "== [${SECONDS} s] $*"; }
 # bounded BUDGET CMD...: CMD under a timeout of BUDGET seconds, or of what is left before the summary's reserve.
+# At the bound, SIGINT (to CMD's whole process group: spawned ranks, ninja and nvcc too); SIGKILL 10 s later if it
+# is still there (a wait in C code that returns to Python only then). A cut command's --junitxml file, if it has
+# one, is listed in $W/gpu_check_cut.txt: the summary fails the verdict for it (its XML holds the finished tests).
 bounded() {
   local budget=$1 left=$((DEADLINE - SUMMARY_RESERVE - SECONDS))
   shift
@@ -30,9 +39,15 @@ bounded() {
     echo "gpu_check: out of time (${SECONDS} s of ${DEADLINE}): skipped $*"
     return 124
   fi
-  timeout -k 5 "$((budget < left ? budget : left))" "$@"
-  local rc=$?
-  [ "$rc" = 124 ] && echo "gpu_check: timed out: $*"
+  timeout -s INT -k 10 "$((budget < left ? budget : left))" "$@"
+  local rc=$? prev=""
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # 137: still running 10 s after the SIGINT, killed
+    echo "gpu_check: timed out (rc $rc): $*"
+    for arg in "$@"; do
+      [ "$prev" = --junitxml ] && echo "$arg" >> "$W/gpu_check_cut.txt"
+      prev=$arg
+    done
+  fi
   return "$rc"
 }
 
@@ -100,7 +115,7 @@ else
 fi
 
 step "summary"
-"$PY" bench/gpu_check_summary.py --junit "$W/gpu_tests_ops.xml" "$W/gpu_tests_nccl.xml" \
+"$PY" bench/gpu_check_summary.py --junit "$W/gpu_tests_ops.xml" "$W/gpu_tests_nccl.xml" --cut "$W/gpu_check_cut.txt" \
   --mix "$W/mix_kernels_$DEVICE.json" --exchange "$W/exchange_nccl_self.json" --sizes "$SIZES" \
   | tee "$W/gpu_check_summary.txt"
 status=$?

@@ -7,7 +7,8 @@ mix_adam_ against torch.optim.AdamW(fused=True) + the same mix, the NCCL transpo
 test counts. The verdict is the tests': exits 1 when a test failed or errored, or when a one-GPU NCCL transport
 test was skipped (on the GPU machine it must run: a skipped one means NCCL never moved a byte). A missing benchmark
 (cut by the check's deadline after a slow build, or failed: gpu_check.sh prints its log's tail) is named on the
-verdict line but does not turn passing tests into a FAIL.
+verdict line but does not turn passing tests into a FAIL. A pytest run its time limit stopped (SIGINT: its XML
+holds the tests it finished; --cut lists such XML files) counts as a failure: the tests after the cut did not run.
 """
 import argparse
 import json
@@ -28,17 +29,24 @@ def elements(n):
     return f"{n >> 20}M" if n >= 1 << 20 else str(n)
 
 
-def test_counts(paths):
+def test_counts(paths, cut=()):
     """Counts per outcome, and a line per failed, errored, skipped or missing test (the failures' first line of
-    message: the logs that hold their tracebacks travel packed, so the verdict names them itself)."""
+    message: the logs that hold their tracebacks travel packed, so the verdict names them itself). `cut`: the XML
+    files of pytest runs their time limit stopped, each one failure."""
     counts = dict(passed=0, failed=0, skipped=0, must_run_skipped=0)
     reasons = []
     for path in paths:
         if not os.path.exists(path):
             counts["failed"] += 1
-            reasons.append(f"missing {path} (pytest did not run or was stopped by its time limit)")
+            reasons.append(f"missing {path} (pytest did not run or was killed by its time limit)")
             continue
+        if path in cut:
+            counts["failed"] += 1
+            reasons.append(f"stopped by its time limit: {path} (the tests it finished are counted; the rest did "
+                           "not run)")
         for case in ET.parse(path).getroot().iter("testcase"):
+            if case.get("name") is None:  # the test running when SIGINT came: pytest records it without a name
+                continue
             name = f"{case.get('classname')}.{case.get('name')}"
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             if bad is not None:
@@ -68,6 +76,8 @@ def main():
     ap.add_argument("--mix", default=None)
     ap.add_argument("--exchange", default=None)
     ap.add_argument("--sizes", default="16M,64M", help="the kernel benchmark's sizes to show")
+    ap.add_argument("--cut", default=None, help="a file listing, a line each, the --junit files whose pytest run "
+                                                "its time limit stopped (absent: none was)")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
     mix, exchange = load(args.mix), load(args.exchange)
@@ -102,7 +112,11 @@ def main():
                  None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
                                                  pct(r["gbps"])] for r in exchange["rows"]]):
         missing.append("NCCL self-exchange")
-    counts, reasons = test_counts(args.junit)
+    cut = ()
+    if args.cut and os.path.exists(args.cut):
+        with open(args.cut) as f:
+            cut = {line.strip() for line in f if line.strip()}
+    counts, reasons = test_counts(args.junit, cut)
     for reason in reasons:
         print(f"  {reason}")
     print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
