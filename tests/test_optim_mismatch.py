@@ -1,6 +1,6 @@
 """Ranks that disagree are named on every rank, never left to crash or to corrupt silently: options, parameter
-layouts and orders, param groups, options one rank refuses, node layouts (torchrun's and a subgroup's), and another
-rank's state_dict."""
+layouts and orders, param groups, options one rank refuses, parameters on the meta device, node layouts (torchrun's
+and a subgroup's), and another rank's state_dict."""
 
 import os
 import time
@@ -162,6 +162,50 @@ def test_options_one_rank_refuses_are_named_on_every_rank_at_once(case):
         if r != 1:
             assert "rank 1 refused to build the optimizer" in msg, msg
         assert seconds < 20, (r, seconds)
+
+
+META_BUILDERS = {
+    "DAdamW": lambda ps: decent_comm.DAdamW(ps, topology="ring"),
+    "Decentralized(SGD)": lambda ps: decent_comm.Decentralized(torch.optim.SGD(ps, lr=0.1), topology="ring"),
+}
+_META_NAMED = "parameter 0 (shape (3, 4)), parameter 1 (shape (3,)), parameter 2 (shape (2, 3)), parameter 3 " \
+              "(shape (2,)) are on the meta device"
+
+
+def _meta_on(rank, n, meta_ranks, builder):
+    model = make_model(rank)
+    if rank in meta_ranks:  # built as torch's meta-device initialization leaves a model
+        model = model.to("meta")
+    start = time.monotonic()
+    try:  # no timeout: the group's own (30 min) would be the wait for a rank that never comes
+        opt = META_BUILDERS[builder](model.parameters())
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    opt.shutdown()
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("builder", sorted(META_BUILDERS))
+@pytest.mark.parametrize("meta_ranks", [(0, 1), (1,)], ids=["every rank", "rank 1"])
+def test_meta_parameters_are_refused_on_every_rank_naming_them(meta_ranks, builder):
+    """With peers a meta parameter has no values to exchange: every rank raised "process group '0' (backend gloo)
+    has no backend for meta tensors", naming neither the parameters nor the meta device, or, when only one rank had
+    them, a mismatch of the bucket's device (review BV)."""
+    for r, (kind, msg, seconds) in enumerate(run_ranks(_meta_on, 2, meta_ranks, builder, timeout=120)):
+        assert kind == "ValueError" and _META_NAMED in msg, (r, kind, msg)
+        assert "model.to_empty(device=...)" in msg and "world size 2" in msg, msg
+        if r not in meta_ranks:
+            assert "rank 1 refused to build the optimizer" in msg, msg
+        assert seconds < 20, (r, seconds)
+
+
+def test_meta_parameters_train_on_one_process_as_torchs():
+    """Alone there is nothing to exchange: a meta model builds and steps, as torch.optim's (shapes only)."""
+    model = make_model(0).to("meta")
+    opt = decent_comm.DAdamW(model.parameters())
+    model(torch.randn(2, 4, device="meta")).sum().backward()
+    opt.step()
+    assert all(p.device.type == "meta" for p in model.parameters()) and opt.state
 
 
 def _nodes_of_different_sizes(rank, n, topology):

@@ -37,7 +37,7 @@ from .replica_watch import ReplicaWatch
 from .schedule import MODES, GossipSchedule
 from .state_views import publish_state
 from .teardown import shut_down_when_dropped
-from .startup import (check_options, distributed_context, refusal_told, replica_config,
+from .startup import (check_materialized, check_options, distributed_context, refusal_told, replica_config,
                       resolve_topology, usable_timeout, verify_replicas)
 from .tracing import traced
 from .user_edits import StateWatch, adopt_state_edits, called_by_checkpoint_init, check_param_groups, group_layout
@@ -96,6 +96,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             topology = resolve_topology(topology, self.world_size, process_group)
             self._buckets: List[Bucket] = build_buckets(
                 self.param_groups, bucket_cap_mb, int8_wire.check_bucket_sizes if comm_dtype == torch.int8 else None)
+            check_materialized(self.param_groups, self.world_size)
             if self.world_size > 1 and len(self._buckets) > MAX_BUCKETS:  # else the step that reached it failed
                 raise ValueError(f"{len(self._buckets)} buckets (bucket_cap_mb={bucket_cap_mb}): the exchange takes "
                                  f"at most {MAX_BUCKETS}; raise bucket_cap_mb (or use fewer param groups)")

@@ -72,6 +72,22 @@ def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
                          f"torch.int8 (the 8-bit wire with error feedback), got {comm_dtype!r}")
 
 
+def check_materialized(param_groups, world_size: int) -> None:
+    """Refuses parameters on the meta device at world size > 1: they have no values to exchange (the exchange failed
+    with "process group has no backend for meta tensors", naming neither). One process trains them as torch does."""
+    if world_size <= 1:
+        return
+    several = len(param_groups) > 1
+    meta = [f"parameter {j}{f' of param group {gi}' if several else ''} (shape {tuple(p.shape)})"
+            for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"]) if p.device.type == "meta"]
+    if meta:
+        named = ", ".join(meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        raise ValueError(f"{named} {'is' if len(meta) == 1 else 'are'} on the meta device (no memory, no values), "
+                         f"which a decentralized optimizer at world size {world_size} cannot exchange: materialize the "
+                         "model first (model.to_empty(device=...), then initialize it, e.g. each module's "
+                         "reset_parameters(), or load its weights) before building the optimizer at world size > 1")
+
+
 def local_world_size_from_env(process_group=None):
     """Ranks per node of the group's ranks, from torchrun's LOCAL_WORLD_SIZE, else None (one node). The topology
     layer takes the value as an argument (the optimizers read the environment here and in distributed_context).
