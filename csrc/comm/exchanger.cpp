@@ -235,15 +235,21 @@ void Exchanger::shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
   if (state_ == State::Closed) return;
   if (state_ == State::Failed) {  // already aborted when it failed; nothing is waited for
+    transport_->release();
     state_ = State::Closed;
     return;
   }
-  guarded([&] {
-    transport_->check();
-    wait_all_locked();
-    transport_->synchronize();
-    transport_->shutdown();
-  });
+  try {
+    guarded([&] {
+      transport_->check();
+      wait_all_locked();
+      transport_->synchronize();
+      transport_->shutdown();
+    });
+  } catch (...) {
+    transport_->release();  // as after any failure; the state stays Failed, so later calls quote the error
+    throw;
+  }
   state_ = State::Closed;
 }
 

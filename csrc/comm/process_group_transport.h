@@ -58,7 +58,10 @@ class ProcessGroupTransport final : public Transport {
   // the Exchanger lives (an optimizer in a reference cycle: until the interpreter's final GC), and a gloo
   // worker still releasing a finished collective's tensors needs the GIL; once Python finalizes, that
   // thread is killed inside a noexcept destructor: std::terminate (issue #14.1).
-  void shutdown() override {
+  void shutdown() override { release(); }
+  // After a failure too: the group held on kept its backend's threads alive after dist.destroy_process_group(). The
+  // abandoned operations (keep_unfinished_alive) hold the backend's context, not the group.
+  void release() noexcept override {
     backend_.reset();
     pg_.reset();
   }

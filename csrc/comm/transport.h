@@ -114,6 +114,9 @@ class Transport {
   virtual void abort() noexcept = 0;
   // Orderly teardown once everything completed (after synchronize()).
   virtual void shutdown() = 0;
+  // The exchanger's shutdown() after a failure, where the orderly teardown cannot run (abort() came first): drop the
+  // references to what the caller owns (a process group), as shutdown() does. What abort() kept stays kept.
+  virtual void release() noexcept {}
 };
 
 // Keeps `what` alive until the process exits. Used for buffers an aborted or abandoned transfer may still
