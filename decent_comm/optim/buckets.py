@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .flat_memory import flat_buffer
-from .shared_memory import check_no_shared_memory, note_bucket_memory, warn_aliased_storage
+from .shared_memory import check_no_shared_memory
 from .step_cache import StepCache
 
 # Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
@@ -139,7 +139,6 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
     check_no_shared_memory([s.param for b in buckets for s in b.slots])
     if check is not None:
         check(buckets)
-    warn_aliased_storage(param_groups)  # before _materialize moves them: where they live now
     for b in buckets:
         b.cache = StepCache([s.param for s in b.slots])
         _materialize(b)
@@ -160,7 +159,6 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _materialize(b: Bucket) -> None:
     b.flat = b.new_flat()
-    note_bucket_memory(b.flat)
     b.grad = b.new_flat()
     with torch.no_grad():
         for s, grad_view in zip(b.slots, b.cache.grad_views(b)):

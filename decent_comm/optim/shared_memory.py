@@ -1,11 +1,6 @@
-"""Parameters whose memory is shared, checked before the buckets copy them apart: torch.optim updates a parameter's
-memory in place, seen through every tensor over it, while each slot of a bucket is a copy of its own. Shared by two
-parameters (or within one): refused. Shared with another tensor, the one a parameter was sliced from: warned, as that
-tensor keeps the old memory (as after p.data = t), which is all it can read."""
+"""Parameters that share memory are refused before the buckets copy them apart: torch.optim updates memory that two
+Parameters share through each of them, while each slot of a bucket is a copy of its own."""
 
-import sys
-import warnings
-import weakref
 from typing import List
 
 import torch
@@ -66,71 +61,3 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     mask = torch.zeros(span, dtype=torch.bool)
     mask[index.as_strided(a.shape, a.stride(), a.storage_offset() - lo)] = True
     return bool(mask[index.as_strided(b.shape, b.stride(), b.storage_offset() - lo)].any())
-
-
-#: the parameters a warning names (of a model loaded over one kept buffer there could be thousands)
-_NAMED = 4
-#: id -> the flat parameter buffer of a live optimizer's bucket. Weakly: a dropped optimizer's memory is freed.
-_BUCKET_MEMORY = weakref.WeakValueDictionary()
-
-
-def note_bucket_memory(flat: torch.Tensor) -> None:
-    """`flat` holds parameters of a bucket: a later optimizer over them (rebuilt with other options) moves them out of
-    it, which is the earlier optimizer's memory, not the user's (warn_aliased_storage)."""
-    _BUCKET_MEMORY[id(flat)] = flat
-
-
-def warn_aliased_storage(param_groups: List[dict]) -> None:
-    """Warns (one UserWarning) of the parameters whose storage holds more bytes than they span while a tensor other
-    than this optimizer's parameters holds that storage: the tensor a parameter was sliced from (base[:4]), the
-    buffer it was loaded into and kept. The buckets move each parameter into a flat buffer of its own, so that
-    tensor no longer sees the updates, where torch.optim's in-place updates reach it. A storage held by the
-    parameters alone is no one else's: cuDNN's RNN weights (views of one buffer it discards), a slice of a
-    temporary; nor is an earlier optimizer's bucket (note_bucket_memory), that of an optimizer rebuilt over the
-    model. A view of a parameter's own size (emb.detach().t()) has nothing that tells it from the parameter here:
-    docs/api.md says to read parameters through their Parameter. Meta and empty parameters have no memory to miss."""
-    found, on_storage = [], {}
-    buckets = {t.untyped_storage()._cdata for t in list(_BUCKET_MEMORY.values())}
-    for gi, group in enumerate(param_groups):
-        for j, p in enumerate(group["params"]):
-            if p.numel() == 0 or p.device.type == "meta" or p.untyped_storage()._cdata in buckets:
-                continue
-            storage = p.untyped_storage()
-            on_storage[storage._cdata] = on_storage.get(storage._cdata, 0) + 1
-            if storage.nbytes() > _extent(p) * p.element_size():
-                found.append((gi, j, p, storage._cdata))
-    found = [f for f in found if _held_elsewhere(f[2], on_storage[f[3]])]
-    if not found:
-        return
-    several = len(param_groups) > 1
-    named = [f"parameter {j}{f' of param group {gi}' if several else ''} (shape {tuple(p.shape)}: "
-             f"{_extent(p) * p.element_size()} bytes of a storage of {p.untyped_storage().nbytes()})"
-             for gi, j, p, _ in found[:_NAMED]]
-    more = f" and {len(found) - _NAMED} more" if len(found) > _NAMED else ""
-    warnings.warn(
-        f"decent_comm: {', '.join(named)}{more} {'is a view' if len(found) == 1 else 'are views'} into larger memory "
-        "that another tensor holds (the tensor it was sliced from, a buffer it was loaded into): the optimizer "
-        "moves each parameter into its flat buffer, so that tensor and its other views no longer see the updates "
-        "(as after p.data = t). Read parameters through their Parameter (or module); .clone() the parameter before "
-        "building the optimizer (nn.Parameter(base[:4].clone())) to silence this warning",
-        UserWarning, stacklevel=_caller_level())
-
-
-def _held_elsewhere(p: torch.Tensor, parameters: int) -> bool:
-    """Whether a tensor other than the `parameters` of this optimizer over p's storage holds that storage: its use
-    count, less what one tensor's reads as (the Python storage object kept with it adds its own), above theirs.
-    Where torch does not tell the count, any may: True."""
-    try:
-        count, probe = torch._C._storage_Use_Count, torch.empty(1)  # the probe alive: its storage is counted
-        one = count(probe.untyped_storage()._cdata)
-        return count(p.untyped_storage()._cdata) - (one - 1) > parameters
-    except (AttributeError, RuntimeError, TypeError):
-        return True
-
-
-def _caller_level() -> int:
-    """The stacklevel of the first frame outside decent_comm: the line that built the optimizer."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("decent_comm"):
-        frame, level = frame.f_back, level + 1
-    return level
