@@ -107,9 +107,15 @@ void register_comm_bindings(py::module& m) {
       .def_property_readonly("device", &Exchanger::device)
       .def_property_readonly("timeout", &Exchanger::timeout_seconds, "timeout in seconds")
       .def_property_readonly("wire_dtype", &Exchanger::wire_dtype)
-      .def_property_readonly("bytes_sent", &Exchanger::bytes_sent, "bytes put on the wire so far (all peers)")
-      .def_property_readonly("handshakes", &Exchanger::handshakes,
+      // These four read under the exchanger's lock, which a blocking call (wait, ...) holds for its whole wait with
+      // the GIL released, and inside which it can take the GIL (a tensor it lets go of decrefs its Python object).
+      // Read with the GIL held, the two locks were taken in opposite orders: a thread reading bytes_sent during
+      // a wait deadlocked the rank (and stalled every Python thread while the wait lasted).
+      .def_property_readonly("bytes_sent", py::cpp_function(&Exchanger::bytes_sent, Release()),
+                             "bytes put on the wire so far (all peers)")
+      .def_property_readonly("handshakes", py::cpp_function(&Exchanger::handshakes, Release()),
                              "size/dtype handshakes run so far (an exchange with a not yet agreed edge runs one)")
-      .def_property_readonly("in_flight", &Exchanger::in_flight, "bucket ids in flight, in issue order")
-      .def_property_readonly("closed", &Exchanger::closed);
+      .def_property_readonly("in_flight", py::cpp_function(&Exchanger::in_flight, Release()),
+                             "bucket ids in flight, in issue order")
+      .def_property_readonly("closed", py::cpp_function(&Exchanger::closed, Release()));
 }

@@ -55,7 +55,10 @@ class _Job:
 
 class _State:
     def __init__(self):
-        self.lock = threading.Lock()
+        # Reentrant: any allocation inside it can start a cyclic garbage collection, whose finalizers (a dropped
+        # GroupAllReduce's shutdown, an optimizer's) make store calls of their own on this thread; a plain Lock
+        # deadlocked there, and every later store call of the process blocked behind it.
+        self.lock = threading.RLock()
         self.outstanding: List[_Job] = []             # calls started and not returned, oldest first
         self.stuck: Optional[Tuple[_Job, str]] = None  # a call past its caller's deadline, and the error it raised
         self.closed: Optional[str] = None            # set at exit once the connections were shut down
@@ -79,7 +82,8 @@ def _run(state: _State, job: _Job):
     except BaseException as e:  # noqa: BLE001 - handed to the caller
         job.error = e
     with state.lock:  # done is set under the lock: a caller whose deadline passes now sees it done, or not yet
-        state.outstanding.remove(job)
+        if job in state.outstanding:  # (_call took it back if its thread's start was interrupted)
+            state.outstanding.remove(job)
         if state.stuck is not None and state.stuck[0] is job:
             state.stuck = None  # it answered after all: the connection is usable again
         job.done.set()
@@ -121,22 +125,29 @@ class BoundedStore:
 
     def _call(self, method: str, args: tuple, seconds: float):
         state = _state
+        # Made before the lock is taken: fewer allocations under it, where a collection runs finalizers (_State.lock)
+        job = _Job(getattr(self._store, method), method, args, self._address)
+        # A thread of its own per call, gone once the call returns: none outlives shutdown() and
+        # destroy_process_group() (tests/test_exit.py counts them).
+        thread = threading.Thread(target=_run, args=(state, job), daemon=True, name=f"decent_comm-store-{method}")
         with state.lock:
             refused = state.closed or (state.stuck[1] if state.stuck is not None else None)
             if refused is None:
                 if not _exit_hook:
                     _exit_hook.append(atexit.register(_close_at_exit))
                 blocker = state.outstanding[0] if state.outstanding else None  # e.g. a wait whose caller was interrupted
-                job = _Job(getattr(self._store, method), method, args, self._address)
                 state.outstanding.append(job)
         if refused is not None:
             raise dist.DistStoreError(refused)
-        # A thread of its own per call, gone once the call returns: none outlives shutdown() and
-        # destroy_process_group() (tests/test_exit.py counts them).
         try:
-            threading.Thread(target=_run, args=(state, job), daemon=True, name=f"decent_comm-store-{method}").start()
+            thread.start()
         except RuntimeError:  # at interpreter shutdown (Python >= 3.12 refuses new threads): made here, unbounded
             _run(state, job)
+        except BaseException:  # Ctrl-C before the thread ran: a job nobody runs would stand as a later call's blocker
+            with state.lock:
+                if not thread.is_alive() and not job.done.is_set() and job in state.outstanding:
+                    state.outstanding.remove(job)
+            raise
         if not job.done.wait(seconds):
             with state.lock:
                 if not job.done.is_set():
