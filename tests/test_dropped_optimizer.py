@@ -2,7 +2,8 @@
 ATC's last step leaves its mix pending, and the parameters of a model whose optimizer was deleted, or died with the
 function that trained, must still be x^{t+1} = W'(x^t - lr d^t) (checked against the float64 dense simulation); AWC
 keeps its x^{t+1}. A dead peer makes that mix fail: logged, never raised, within the exchange timeout. At interpreter
-exit (the optimizer a module global) the mix is applied before the exchangers close."""
+exit (the optimizer a module global) the mix is applied before the exchangers close. Dropped after a failure it
+caught, an optimizer is freed too."""
 
 import gc
 import logging
@@ -10,11 +11,15 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 import weakref
 
+import pytest
 import torch
 
+import decent_comm
 from decent_comm import topology as T
+from decent_comm.exchange import ExchangeError
 
 from dist_utils import exit_now, run_ranks
 from optim_cases import OPTIMIZERS, batch, flat_params, make_model
@@ -131,3 +136,73 @@ def test_an_atc_optimizer_alive_at_exit_applies_its_pending_mix():
     for rank in (0, 1):
         assert f"rank {rank}: pending True, weight at exit 0.250000" in proc.stdout, out[-6000:]
     assert "failed" not in out and not CPP_WARNING.search(out), out[-6000:]
+
+
+def _dropped_after_a_caught_timeout(rank, n, topology, mode, exchange):
+    """Rank 2 sleeps past the 2 s timeout at step 2: ranks 0 and 1 time out waiting for it, rank 2's next transfers
+    fail on the peers that gave up. Every rank catches its error and drops the optimizer without shutdown(). A bare
+    parameter, used outside any module: ATC mixes it in step() (no forward pre-hook defers it), so the failure of that
+    mix is raised in step() and kept as the failed mix's error."""
+    w = torch.nn.Parameter(torch.randn(4, 2, generator=torch.Generator().manual_seed(rank)))
+    opt = decent_comm.DAdamW([w], lr=0.01, topology=topology, mode=mode, exchange=exchange, timeout=2)
+    caught = None
+    try:
+        for t in range(8):
+            if rank == 2 and t == 2:
+                time.sleep(4.5)
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            ((x @ w - y) ** 2).mean().backward()
+            opt.step()
+    except ExchangeError as e:
+        # what the user caught keeps its whole traceback, down to the exchange that raised it; the copy kept for
+        # shutdown() has the same type and words, and no traceback
+        kept = opt._schedule.exchange.error
+        caught = (type(e).__name__, traceback.extract_tb(e.__traceback__)[-1].filename,
+                  type(kept) is type(e) and str(kept) == str(e) and kept.__traceback__ is None)
+    dead = weakref.ref(opt)
+    del opt
+    gc.collect()
+    return caught, dead() is None
+
+
+@pytest.mark.parametrize("topology,mode,exchange", [("ring", "awc", "p2p"), ("one-peer-exp", "atc", "p2p"),
+                                                    ("complete", "awc", "auto"), ("complete", "atc", "auto")])
+def test_an_optimizer_dropped_after_a_caught_failure_is_freed(topology, mode, exchange):
+    """The exchange kept its first error (and ATC the failed mix's) with the traceback, whose step() frames hold the
+    optimizer; the finalizer holds the schedule that holds them, so the optimizer, its buffers and exchangers (and the
+    peer watch's thread) lived until the process exited."""
+    results = run_ranks(_dropped_after_a_caught_timeout, 3, topology, mode, exchange, timeout=120)
+    assert [freed for _, freed in results] == [True] * 3, results
+    for rank, (caught, _) in enumerate(results):
+        assert caught is not None and caught[0] in ("ExchangeTimeout", "ExchangeError") and caught[2] and \
+            caught[1].endswith("gossip_exchange.py" if exchange == "p2p" else "group_allreduce.py"), (rank, caught)
+
+
+def test_a_kept_error_has_the_words_and_type_but_no_frames():
+    """exchange.arrival.detached: what the exchange and ATC's failed mix keep. The original is left as it was."""
+    from decent_comm.exchange import ExchangeTimeout, detached
+
+    def fail():
+        try:
+            raise KeyError("the transport's own error")
+        except KeyError as cause:
+            raise ExchangeTimeout("decent_comm exchange: bucket 0 timed out") from cause
+
+    try:
+        fail()
+    except ExchangeTimeout as e:
+        e.add_note("a note")
+        kept, words = detached(e), str(e)
+        assert e.__traceback__ is not None and isinstance(e.__cause__, KeyError)
+    assert type(kept) is ExchangeTimeout and isinstance(kept, TimeoutError) and str(kept) == words
+    assert kept.__notes__ == ["a note"]
+    assert kept.__traceback__ is None and kept.__cause__ is None and kept.__context__ is None
+
+
+def test_an_error_that_cannot_be_built_from_its_args_is_kept_as_a_runtime_error():
+    from decent_comm.exchange import detached
+    from decent_comm.exchange.watched_wait import MembersFailed
+
+    kept = detached(MembersFailed({2: "timeout"}))  # its constructor takes the ranks, its args hold the words
+    assert type(kept) is RuntimeError and str(kept) == "MembersFailed: ranks [2] failed first"

@@ -80,6 +80,21 @@ def in_global_ranks(exc: BaseException, group) -> BaseException:
     return exc
 
 
+def detached(exc: BaseException) -> BaseException:
+    """A copy of `exc` to keep for later (a failure checked or quoted after the call that raised it is over): its type,
+    words and attributes, without its traceback, cause and context. Those hold the frames the error passed through, and
+    the frames the objects they ran on: an optimizer's step() frames hold the optimizer, so an error kept on its
+    schedule (which its finalizer holds: decent_comm.optim.teardown) kept a failed optimizer, its buffers and its
+    exchangers alive until the process exited. `exc` itself keeps its traceback, for whoever catches it. A type
+    that cannot be built again from its args alone is kept as a RuntimeError with its name and words."""
+    try:
+        copy = type(exc)(*exc.args)
+        copy.__dict__.update(exc.__dict__)  # its attributes (MembersFailed.ranks, __notes__), none of them frames
+    except Exception:  # noqa: BLE001 - a constructor taking other arguments than its args
+        copy = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return copy
+
+
 def ranks_text(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 

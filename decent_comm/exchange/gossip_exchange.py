@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .arrival import in_global_ranks
+from .arrival import detached, in_global_ranks
 from .exchanger import ExchangeError, ExchangeTimeout, Exchanger
 from .group_allreduce import GroupAllReduce
 from .peer_watch import PeerWatch
@@ -40,7 +40,8 @@ class GossipExchange:
                  groups: Iterable[Sequence[int]] = ()):
         self._group = process_group
         # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
-        # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already.
+        # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already. A
+        # copy without the traceback (arrival.detached): the one raised holds the caller's frames, the optimizer's.
         self.error: Optional[ExchangeError] = None
         self._reported = False  # an error of this rank is in the store already (report: the first one stays)
         self._companions: List[weakref.ref] = []  # add_companion's objects, weakly: they may hold this one
@@ -89,7 +90,7 @@ class GossipExchange:
                     other.mark_failed(isinstance(e, ExchangeTimeout))
             named = in_global_ranks(e, self._group)
             if isinstance(e, ExchangeError) and self.error is None:
-                self.error = named
+                self.error = detached(named)
             raise named
 
     def exchange(self, bucket: int, send: torch.Tensor, recvs: Sequence[torch.Tensor], *,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..exchange import BoundedAllReduce, GossipExchange
+from ..exchange import BoundedAllReduce, GossipExchange, detached
 from ..topology import Adaptive
 from . import finite_check
 from .adaptation import AdaptiveDriver
@@ -264,11 +264,12 @@ class GossipSchedule(ScheduleCheckpoint):
         raises (a failed transfer, a non-finite neighbour under check_finite, a parameter written while in flight) is
         kept in `mix_error` while the mix it failed is pending, so that shutdown() - called in a `finally:` after it,
         typically - logs that the mix was not applied instead of raising the same error again. A call mixing other
-        buckets (a later module's pre-hook) keeps it."""
+        buckets (a later module's pre-hook) keeps it. Kept without its traceback (exchange.arrival.detached), whose
+        frames hold the optimizer: an optimizer dropped after the failure would never be freed."""
         try:
             self._mix_pending(bucket_ids)
         except Exception as e:
-            self.mix_error = e
+            self.mix_error = detached(e)
             raise
         if not self.pending:  # every mix applied: nothing that failed is left
             self.mix_error = None

@@ -12,7 +12,9 @@ timeout) is logged to the "decent_comm" logger, never raised from a finalizer.
 
 The finalizer holds the schedule, never the optimizer, so the optimizer is still collected when its last reference
 goes (or in a cyclic collection); and its reference keeps the schedule, and the exchangers the schedule holds, out of
-the garbage until it has run, so their own close-on-collect cannot drain and close them before the mix.
+the garbage until it has run, so their own close-on-collect cannot drain and close them before the mix. Nothing the
+schedule holds may refer back to the optimizer: an error it keeps after a failure is kept without its traceback, whose
+step() frames hold the optimizer (exchange.arrival.detached; it kept a failed optimizer alive until the process exited).
 """
 
 import weakref
