@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,17 +61,31 @@ def timeout_s(group, timeout: Optional[float]) -> float:
     return group_timeout_s(group) if timeout is None else float(timeout)
 
 
+def members_of(group) -> Optional[List[int]]:
+    """The global ranks of `group`'s members (None for the default group, or torch.distributed not initialized):
+    what an object keeps to name ranks in its errors instead of the group itself, which it must not hold past its
+    shutdown (dist.destroy_process_group() then leaves the group, and gloo's threads, alive)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return list(dist.get_process_group_ranks(group))
+
+
 def in_global_ranks(exc: BaseException, group) -> BaseException:
     """`exc`, its message extended (in place) to say which global ranks the ranks it names are, when `group` is a
     subgroup: every message of this layer names ranks of the group it runs on, and on a subgroup a user reading
-    "rank 2" would take it for global rank 2."""
-    if group is None or not (dist.is_available() and dist.is_initialized()) or len(exc.args) != 1 or \
-            not isinstance(exc.args[0], str):
+    "rank 2" would take it for global rank 2. `group`: a process group, None (the default group), or the global
+    ranks of its members as members_of() gave them."""
+    if group is None or len(exc.args) != 1 or not isinstance(exc.args[0], str):
         return exc
-    try:
-        members = dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - a group destroyed meanwhile: the error as it is
-        return exc
+    if isinstance(group, list):
+        members = group
+    else:
+        if not (dist.is_available() and dist.is_initialized()):
+            return exc
+        try:
+            members = dist.get_process_group_ranks(group)
+        except Exception:  # noqa: BLE001 - a group destroyed meanwhile: the error as it is
+            return exc
     if members == list(range(len(members))):  # its ranks are the global ones
         return exc
     note = f" [ranks of the process group: its ranks 0..{len(members) - 1} are global ranks {members}]"

@@ -212,9 +212,9 @@ class Exchanger(_C._Exchanger):
         can really destroy it (and join its backend's threads) while this object lives on."""
         try:
             super().shutdown()
-        finally:
+        finally:  # after a failed drain too: the caller cannot shut down again to let go of the group
             self._close_watch()
-        self.process_group = None
+            self.process_group = None
 
     def _close_watch(self):
         if self._peer_watch is not None:

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .arrival import detached, in_global_ranks
+from .arrival import detached, in_global_ranks, members_of
 from .exchanger import ExchangeError, ExchangeTimeout, Exchanger
 from .group_allreduce import GroupAllReduce
 from .peer_watch import PeerWatch
@@ -38,7 +38,9 @@ from .roster import Roster
 class GossipExchange:
     def __init__(self, process_group, device: torch.device, *, timeout=None, wire_dtype=None,
                  groups: Iterable[Sequence[int]] = ()):
-        self._group = process_group
+        # The group's global ranks, to name ranks in errors: never the group itself, which the paths let go of at
+        # shutdown (a traceback kept after a failure, the optimizer's error, still reaches this object).
+        self._members = members_of(process_group)
         # The first transfer failure of either path (a dead or late peer): every later call raises it again, so a
         # caller cleaning up after it (shutdown() of an ATC step's pending mix) can tell it was raised already. A
         # copy without the traceback (arrival.detached): the one raised holds the caller's frames, the optimizer's.
@@ -88,7 +90,7 @@ class GossipExchange:
                 self.stopped(timed_out=isinstance(e, ExchangeTimeout))
                 for other in self._others():  # a failed exchange ends the optimizer: its all-reduces too
                     other.mark_failed(isinstance(e, ExchangeTimeout))
-            named = in_global_ranks(e, self._group)
+            named = in_global_ranks(e, self._members)
             if isinstance(e, ExchangeError) and self.error is None:
                 self.error = detached(named)
             raise named
@@ -208,4 +210,4 @@ class GossipExchange:
             except Exception as e:  # noqa: BLE001 - release the other path before raising
                 first = first or e
         if first is not None:
-            raise in_global_ranks(first, self._group)
+            raise in_global_ranks(first, self._members)

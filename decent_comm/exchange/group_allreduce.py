@@ -59,7 +59,6 @@ class GroupAllReduce:
         whole default group must construct this object, in the same order as its other groups."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("GroupAllReduce: torch.distributed is not initialized (call dist.init_process_group)")
-        self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         if process_group is not None and self.world_size != dist.get_world_size():

@@ -76,8 +76,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
     def _init_decentralized(self, *, topology, mode, process_group, bucket_cap_mb, comm_dtype, consensus, model,
                             broadcast_init, timeout, track_disagreement=False, exchange="auto", check_finite=False,
                             gossip_every=1, warmup_steps=0, delayed_mix=False):
-        self.process_group = process_group
-        self.rank, self.world_size = distributed_context(process_group)
+        self.rank, self.world_size = distributed_context(process_group)  # plain values: kept past shutdown()
         # What this rank refuses is told to the others when they meet in verify_replicas, so that every rank raises
         # at once, naming this rank and why, instead of waiting for it until the timeout.
         config = None
@@ -133,6 +132,14 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     def _optimizer_name(self) -> str:
         return type(self).__name__
+
+    @property
+    def process_group(self):
+        """The group the optimizer gossips in (None: the default group), held by its schedule until shutdown(), None
+        after it: held on, an explicit group outlived dist.destroy_process_group(), gloo's threads with it, for as
+        long as the optimizer was referenced. `rank` and `world_size` stay."""
+        schedule = self.__dict__.get("_schedule")
+        return schedule.process_group if schedule is not None else None
 
     @property
     def topology(self):

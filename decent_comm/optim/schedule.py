@@ -371,6 +371,7 @@ class GossipSchedule(ScheduleCheckpoint):
                 raise first
 
     def _release(self):
+        self.process_group = None  # as the paths below let go of it: nothing here may hold it past shutdown()
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
