@@ -33,7 +33,7 @@ def _capturing():
 
 def _run(rank, n, case, give_model):
     """Trains STEPS steps; at step CAPTURE_AT the forward is "captured": `case` "none" (never: the reference),
-    "clean" (after an eager warm-up forward, as make_graphed_callables does: nothing pending) or "pending" (right
+    "clean" (after an eager warm-up forward, as a capture needs anyway: nothing pending) or "pending" (right
     after a step: the mix is pending). Returns the final parameters, the buckets pending after each step, and for
     "pending" what the refused capture did."""
     model = make_model(0)
@@ -101,8 +101,10 @@ def test_a_captured_forward_turns_the_deferral_off_and_trains_as_atc(give_model)
             assert got[2] is not None, f"rank {rank}: a capture reading the pending mix was not refused"
             message, before, after, exchange_error = got[2]
             assert before == after == {0} and exchange_error is None, got[2]  # the mix is left to synchronize()
-            for words in ("mode='atc'", "captured into a CUDA graph", "opt.synchronize()", "make_graphed_callables"):
+            for words in ("mode='atc'", "captured into a CUDA graph", "opt.synchronize()", "once eagerly first"):
                 assert words in message, (words, message)
+            # it sent model= users to make_graphed_callables, which refuses a module with the hooks model= registers
+            assert "make_graphed_callables" not in message, message
 
 
 def test_an_evaluation_capture_refuses_any_pending_mix():
@@ -121,3 +123,39 @@ def test_an_evaluation_capture_refuses_any_pending_mix():
         first(torch.ones(2, 4))
     schedule.pending = set()
     opt.shutdown()
+
+
+class _PastTheChecks(Exception):
+    """Raised where make_graphed_callables, having accepted its arguments, makes its first CUDA graph."""
+
+
+def _graphable(module, sample) -> bool:
+    """Whether torch.cuda.make_graphed_callables accepts `module` (its own argument checks, which run before any CUDA
+    call; stopped right after them, so this runs on any machine)."""
+    with mock.patch.object(torch.cuda, "CUDAGraph", side_effect=_PastTheChecks):
+        try:
+            torch.cuda.make_graphed_callables(module, (sample,))
+        except _PastTheChecks:
+            return True
+        except AssertionError as e:
+            assert "must not have hooks" in str(e), e
+            return False
+    raise AssertionError("make_graphed_callables made no CUDA graph")
+
+
+@pytest.mark.parametrize("mode", ["awc", "atc"])
+def test_what_make_graphed_callables_accepts_with_and_without_model(mode):
+    """docs/api.md's advice, against torch's own check: make_graphed_callables refuses a module passed with hooks of
+    its own (not its submodules'). model= puts the DDP-wrap check's pre-hook on the model (either mode) and, with
+    ATC, a pre-hook on every module holding parameters directly; model=None registers global hooks only."""
+    x = torch.ones(2, 4)
+    for give_model in (True, False):
+        model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+        opt = decent_comm.DAdamW(model.parameters(), lr=0.1, mode=mode, model=model if give_model else None)
+        accepted = {"model": _graphable(model, x), "container": _graphable(model[0], x),
+                    "layer": _graphable(model[0][0], x)}
+        if give_model:
+            assert accepted == {"model": False, "container": True, "layer": mode == "awc"}, (mode, accepted)
+        else:
+            assert accepted == {"model": True, "container": True, "layer": True}, (mode, accepted)
+        opt.shutdown()

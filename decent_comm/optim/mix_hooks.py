@@ -140,8 +140,8 @@ class MixBeforeUse:
                 f"while the last step's mix of its parameters (buckets {sorted(reads)}) is still pending: ATC defers "
                 "it to the forward's hooks, which a replay does not run, and it cannot be applied inside the capture. "
                 "Apply it before capturing: call opt.synchronize() on every rank (a collective), or run the forward "
-                "once eagerly first (torch.cuda.make_graphed_callables's warm-up iterations do). From this capture "
-                "on, step() applies every mix itself, so the replays read mixed parameters.")
+                "once eagerly first (a warm-up outside the capture). From this capture on, step() applies every "
+                "mix itself, so the replays read mixed parameters.")
 
     def _schedule_pending(self) -> bool:
         schedule = self._schedule()
