@@ -84,6 +84,17 @@ def test_parameters_that_share_memory_are_refused(ctor):
     with pytest.raises(ValueError, match="share memory"):  # one shared column
         overlapping = torch.zeros(4, 6)
         ctor([torch.nn.Parameter(overlapping[:, :4]), torch.nn.Parameter(overlapping[:, 3:])])
+    # Named by their place in the user's list and groups, not in the buckets' (one per dtype: float32 parameters 0
+    # and 2 are the float32 bucket's 0 and 1, the message said "parameters 0 and 1", the float64 one's)
+    with pytest.raises(ValueError, match=r"parameters 0 and 2 \(shapes \(3,\) and \(3,\)\) share memory"):
+        ctor([torch.nn.Parameter(base[:3]), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+              torch.nn.Parameter(base[:3])])
+    with pytest.raises(ValueError, match=r"parameters 1 of param group 0 and 0 of param group 1 \(shapes"):
+        ctor([{"params": [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(base[1:4])]},
+              {"params": [torch.nn.Parameter(base[3:])]}])
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(4, 3\).*more than once"):
+        ctor([{"params": [torch.nn.Parameter(torch.zeros(2))]},
+              {"params": [torch.nn.Parameter(torch.zeros(1, 3).expand(4, 3))]}])
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -136,7 +136,7 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
             b.slots.append(Slot(p, b.numel, p.numel(), None if p.is_contiguous() or not _dense(p) else p.stride(),
                                 tuple(p.shape)))
             b.numel += size
-    check_no_shared_memory([s.param for b in buckets for s in b.slots])
+    check_no_shared_memory(param_groups)
     if check is not None:
         check(buckets)
     for b in buckets:

@@ -1,25 +1,32 @@
 """Parameters that share memory are refused before the buckets copy them apart: torch.optim updates memory that two
 Parameters share through each of them, while each slot of a bucket is a copy of its own."""
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 
 
-def check_no_shared_memory(params: List[torch.Tensor]) -> None:
+def check_no_shared_memory(param_groups: List[dict]) -> None:
     """Refuses parameters whose elements share memory, with each other (two Parameters over one tensor) or within
     one (an expanded, stride-0 tensor): torch.optim updates shared memory once per parameter through it (or refuses
     the in-place write), while each slot of a bucket would be a copy of its own, the tensor they shared left behind.
     (A Parameter used by several modules, weight tying, is one parameter and fine; so are disjoint views of one
-    tensor, column halves included.)"""
+    tensor, column halves included.) Parameters are named by their place in `param_groups`, the user's order (the
+    buckets' order differs where a group mixes dtypes or devices)."""
+    several = len(param_groups) > 1
+
+    def name(index: Tuple[int, int]) -> str:
+        return f"{index[1]} of param group {index[0]}" if several else str(index[1])
+
     spans = []
-    for i, p in enumerate(params):
+    params = [((gi, j), p) for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"])]
+    for i, p in params:
         if p.numel() == 0 or p.device.type == "meta":
             continue
         if any(st == 0 and sz > 1 for sz, st in zip(p.shape, p.stride())):
-            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) refers to some of its "
-                             "memory more than once (an expanded tensor): torch.optim cannot update it in place either;"
-                             " make it a tensor of its own (.contiguous()) before building the optimizer")
+            raise ValueError(f"parameter {name(i)} (shape {tuple(p.shape)}, strides {p.stride()}) refers to some of "
+                             "its memory more than once (an expanded tensor): torch.optim cannot update it in place "
+                             "either; make it a tensor of its own (.contiguous()) before building the optimizer")
         start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
         spans.append((start, start + _extent(p) * p.element_size(), i, p))
     spans.sort(key=lambda span: span[:3])
@@ -29,10 +36,10 @@ def check_no_shared_memory(params: List[torch.Tensor]) -> None:
         for _, _, j, q in active:
             if _share_elements(p, q):
                 (i, shape), (j, shape2) = sorted([(i, tuple(p.shape)), (j, tuple(q.shape))])
-                raise ValueError(f"parameters {i} and {j} (shapes {shape} and {shape2}) share memory: the optimizer "
-                                 "lays each parameter out in a flat buffer of its own, so the tensor they share would "
-                                 "no longer be updated. Tie weights by using one Parameter object in both places, not "
-                                 "two Parameters over one tensor")
+                raise ValueError(f"parameters {name(i)} and {name(j)} (shapes {shape} and {shape2}) share memory: the "
+                                 "optimizer lays each parameter out in a flat buffer of its own, so the tensor they "
+                                 "share would no longer be updated. Tie weights by using one Parameter object in both "
+                                 "places, not two Parameters over one tensor")
         active.append((lo, hi, i, p))
 
 
