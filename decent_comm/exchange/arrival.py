@@ -77,16 +77,11 @@ def in_global_ranks(exc: BaseException, group) -> BaseException:
     ranks of its members as members_of() gave them."""
     if group is None or len(exc.args) != 1 or not isinstance(exc.args[0], str):
         return exc
-    if isinstance(group, list):
-        members = group
-    else:
-        if not (dist.is_available() and dist.is_initialized()):
-            return exc
-        try:
-            members = dist.get_process_group_ranks(group)
-        except Exception:  # noqa: BLE001 - a group destroyed meanwhile: the error as it is
-            return exc
-    if members == list(range(len(members))):  # its ranks are the global ones
+    try:
+        members = group if isinstance(group, list) else members_of(group)
+    except Exception:  # noqa: BLE001 - a group destroyed meanwhile: the error as it is
+        return exc
+    if members is None or members == list(range(len(members))):  # its ranks are the global ones
         return exc
     note = f" [ranks of the process group: its ranks 0..{len(members) - 1} are global ranks {members}]"
     if not exc.args[0].endswith(note):

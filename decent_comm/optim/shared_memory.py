@@ -6,21 +6,28 @@ from typing import List, Tuple
 import torch
 
 
+def labelled_params(param_groups: List[dict]) -> List[Tuple[str, torch.Tensor]]:
+    """Each parameter with the name errors give it: its place in `param_groups`, the user's order ("3", or "3 of param
+    group 1" where there are several groups). The buckets' order differs where a group mixes dtypes or devices, so
+    their indices would name other parameters than the user's."""
+    several = len(param_groups) > 1
+    return [(f"{j} of param group {gi}" if several else str(j), p)
+            for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"])]
+
+
 def check_no_shared_memory(param_groups: List[dict]) -> None:
     """Refuses parameters whose elements share memory, with each other (two Parameters over one tensor) or within
     one (an expanded, stride-0 tensor): torch.optim updates shared memory once per parameter through it (or refuses
     the in-place write), while each slot of a bucket would be a copy of its own, the tensor they shared left behind.
     (A Parameter used by several modules, weight tying, is one parameter and fine; so are disjoint views of one
-    tensor, column halves included.) Parameters are named by their place in `param_groups`, the user's order (the
-    buckets' order differs where a group mixes dtypes or devices)."""
-    several = len(param_groups) > 1
+    tensor, column halves included.) Parameters are named as labelled_params() names them."""
+    labelled = labelled_params(param_groups)
 
-    def name(index: Tuple[int, int]) -> str:
-        return f"{index[1]} of param group {index[0]}" if several else str(index[1])
+    def name(i: int) -> str:
+        return labelled[i][0]
 
     spans = []
-    params = [((gi, j), p) for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"])]
-    for i, p in params:
+    for i, (_, p) in enumerate(labelled):
         if p.numel() == 0 or p.device.type == "meta":
             continue
         if any(st == 0 and sz > 1 for sz, st in zip(p.shape, p.stride())):

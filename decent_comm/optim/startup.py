@@ -17,6 +17,7 @@ from .. import topology as topo_mod
 from ..exchange import (ExchangeError, ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, timeout_seconds,
                         wait_for_ranks)
 from .plan import consensus_factor
+from .shared_memory import labelled_params
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,8 @@ def check_materialized(param_groups, world_size: int) -> None:
     with "process group has no backend for meta tensors", naming neither). One process trains them as torch does."""
     if world_size <= 1:
         return
-    several = len(param_groups) > 1
-    meta = [f"parameter {j}{f' of param group {gi}' if several else ''} (shape {tuple(p.shape)})"
-            for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"]) if p.device.type == "meta"]
+    meta = [f"parameter {label} (shape {tuple(p.shape)})" for label, p in labelled_params(param_groups)
+            if p.device.type == "meta"]
     if meta:
         named = ", ".join(meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
         raise ValueError(f"{named} {'is' if len(meta) == 1 else 'are'} on the meta device (no memory, no values), "
