@@ -156,7 +156,7 @@ def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, ste
     ``step`` is the 1-based count after this update, or None with ``state_step``, the device count of the
     updates applied before it (advanced by the op; see the module doc).
     x <- mix(x_old) - lr * (m_hat / (sqrt(v_hat) + eps) [+ weight_decay * x_old if decoupled]); with no
-    neighbours and self_weight = 1 it is one torch step.
+    neighbours and self_weight = 1 it is one torch step (to float32 rounding).
     """
     _ops.mix_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
                    _step_args("mix_adam_", step, state_step), float(lr), float(beta1), float(beta2), float(eps),
