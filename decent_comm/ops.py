@@ -187,21 +187,34 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
 def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
     """The 8-bit wire's encoder, one pass over memory: payload <- Q(x - copy), then copy += deq(payload).
 
-    Q cuts x - copy (rounded to float32) into blocks of ``block`` elements and writes, per block, int8 levels
-    round((x - copy) * 127 / absmax) (round half to even, -127..127) and one float32 scale absmax / 127; the payload
-    (uint8) is ceil(n / block) * block levels (the tail of the last block 0), then the ceil(n / block) scales, so it
-    has ``int8_payload_nbytes(n, block)`` bytes and must start 4-byte aligned. ``copy`` is float32, ``x`` float32,
-    bfloat16, float16 (or float64 on CPU). Every float operation is one IEEE operation with its own rounding (no
-    FMA), so a receiver's int8_dequantize_add_ leaves its copy bit-identical to the sender's, on any CPU or GPU.
-    A non-finite value makes its block's scale, and so the copies of that block, NaN.
+    Q cuts d = x - copy, rounded once to float32 (as torch.sub into a float32 output: a float64 x is subtracted in
+    float64, a 16-bit x converted exactly), into blocks of ``block`` elements and writes, per block, int8 levels and
+    one float32 scale. With fl() the rounding to float32 (to nearest, ties to even), absmax = max |d| over the block,
+    inv = fl(127 / absmax) (0 when absmax is 0 or not finite; +inf when absmax < 127 / FLT_MAX), p = fl(d * inv)
+    (0 where that is NaN: 0 * inf, inf * 0, a NaN d) clamped to -127..127:
+        level = p rounded to an integer, ties to even;  scale = fl(absmax / 127);
+        new copy = fl(copy + fl(level * scale)).
+    That is not round(d * 127 / absmax): the rounding of 127 / absmax moves products across a half (-30 in the
+    block [-10, -30, -60, -43]: -30 * fl(127 / 60) = -63.499996 gives -63, where the exact -63.5 would give -64).
+    The payload (uint8) is ceil(n / block) * block levels (the tail of the last block 0), then the ceil(n / block)
+    scales, so it has ``int8_payload_nbytes(n, block)`` bytes and must start 4-byte aligned. ``copy`` is float32,
+    ``x`` float32, bfloat16, float16 (or float64 on CPU). Every float operation is one IEEE operation with its own
+    rounding (no FMA), with subnormals kept whatever the caller's flush-to-zero mode (torch.set_flush_denormal: the
+    CPU loops run with it off), so a receiver's int8_dequantize_add_ leaves its copy bit-identical to the sender's,
+    on any CPU or GPU. A NaN makes its block's scale NaN, a +-inf makes it +inf; either way the block's levels are 0
+    and its new copies NaN (0 * scale), on the sender and its receivers alike.
 
     The new copy differs from x by at most absmax / 254 per element (half a level, to the float32 roundings: within
     absmax / 254 x (1 + 1e-4), tested), plus the rounding of the copy itself to float32 (half an ulp of it), for a
     block whose absmax is at least 127 / FLT_MAX = 3.7321948e-37 and whose new copies are finite. Below that absmax
-    (an all-subnormal block) 127 / absmax overflows: every nonzero element gets level +-127 and its copy moves by
-    +-absmax (to the scale's rounding), an error up to absmax (< 3.74e-37) instead. A copy overflows to +-inf where
-    x plus the error passes FLT_MAX: from a zero copy only in a block whose absmax is FLT_MAX itself, from another
-    for an element within absmax / 254 of +-FLT_MAX.
+    (every |d| in the block below 3.73e-37: subnormal values, and normal ones up to about 31 x FLT_MIN) 127 / absmax
+    overflows: every nonzero element gets level +-127 and its copy moves by +-absmax (to the scale's rounding), an
+    error up to absmax (< 3.74e-37) instead. Float32's range bounds the rest. Where d itself overflows (|x - copy|
+    >= 2^128 - 2^103, about 3.4028236e38: a float64 x of 1e39, whatever the copy, or a float32 x of 3e38 against a
+    copy of -3e38) the block's absmax and scale are +inf and the whole block's new copies NaN, as for an inf in x.
+    With every d finite, a copy overflows to +-inf where copy + level * scale passes FLT_MAX: from a zero copy only
+    in a block whose absmax is FLT_MAX itself, from another for an element within absmax / 254 of +-FLT_MAX (or
+    beyond it: a float64 x). The optimizers' check_finite=True names either as the wire's float32 range.
     """
     _ops.int8_encode_(x, copy, payload, _int64("int8_encode_", "block", block))
 

@@ -1,5 +1,6 @@
 """The int8 wire as the dense simulation models it, written apart from decent_comm.optim.int8_wire: the block
-quantizer in numpy float32 (absmax / 127 scales, round half to even, -127..127), and the public copies, one per
+quantizer in numpy float32 (absmax / 127 scales; levels: d times the float32 127 / absmax, rounded half to even,
+-127..127, as decent_comm.ops.int8_encode_ states), and the public copies, one per
 (rank, the ranks it sends to), that sender and receivers hold identically (so the simulation keeps one)."""
 
 import numpy as np

@@ -75,6 +75,20 @@ def test_rounding_ties_go_to_even(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_level_rounds_the_product_with_the_float32_inverse(device):
+    """The formula ops.int8_encode_ and docs/api.md state: round(fl(d * fl(127 / absmax))), not round(d * 127 /
+    absmax). -30 of [-10, -30, -60, -43] is exactly -63.5, a tie to -64; -30 * fl(127 / 60) is -63.499996: -63."""
+    x = torch.tensor([-10.0, -30.0, -60.0, -43.0], device=device)
+    payload = torch.empty(ops.int8_payload_nbytes(4, 4), dtype=torch.uint8, device=device)
+    ops.int8_encode_(x, torch.zeros_like(x), payload, 4)
+    q, _ = _levels_scales(payload.cpu(), 4)
+    inverse = np.float32(127) / np.float32(60)
+    assert np.float32(-30) * inverse == np.float32(-63.499996) and -30 * 127 / 60 == -63.5
+    assert q.tolist() == [-21, -63, -127, -91]
+    assert q.tolist() == np.rint(np.float32([-10, -30, -60, -43]) * inverse).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block", [4, 64, 2048, 8192])
 def test_other_block_sizes(device, block):
     n = 3 * block + 5

@@ -13,6 +13,7 @@
 
 #include "dequantizing_ranges.h"
 #include "fused_ranges.h"
+#include "keep_denormals.h"
 
 namespace decent_comm {
 namespace cpu {
@@ -31,10 +32,16 @@ auto pick_loop(const FusedOperands& o) {
   return pick_range<Range>();
 }
 
-// A loop without a disagreement output, over the pool's chunks.
+// A loop without a disagreement output, over the pool's chunks. A chunk that advances the 8-bit wire's copies (any
+// payloads) runs with flush-to-zero and denormals-are-zero off, as the codec's (keep_denormals.h): the copies must
+// come out as the sender's, whatever modes this thread has; the mix in the same pass then keeps denormals too. The
+// loop is an indirect call, so no float operation moves across the mode switches.
 template <typename Loop, DType XD, DType ND>
 void run_plain_loop(const FusedOperands& o, const LoopContext<XD, ND>& ctx, Loop loop) {
-  at::parallel_for(0, o.numel, kGrain, [&](int64_t begin, int64_t end) { loop(&ctx, begin, end); });
+  at::parallel_for(0, o.numel, kGrain, [&](int64_t begin, int64_t end) {
+    const KeepDenormals keep(o.payloads.count > 0);
+    loop(&ctx, begin, end);
+  });
 }
 
 // The loops with a disagreement output (or none, for Blocked), summed over the pool's chunks in double.
@@ -42,7 +49,10 @@ template <typename Loop, DType XD, DType ND>
 void run_reduced_loop(const FusedOperands& o, const LoopContext<XD, ND>& ctx, Loop loop) {
   const double disagreement = at::parallel_reduce(
       0, o.numel, kGrain, 0.0,
-      [&](int64_t begin, int64_t end, double partial) { return partial + loop(&ctx, begin, end); },
+      [&](int64_t begin, int64_t end, double partial) {
+        const KeepDenormals keep(o.payloads.count > 0);  // as run_plain_loop
+        return partial + loop(&ctx, begin, end);
+      },
       std::plus<double>());
   if (o.disagreement != nullptr) *o.disagreement = float(disagreement);
 }

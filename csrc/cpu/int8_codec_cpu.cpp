@@ -14,6 +14,7 @@
 #include "../kernels/int8_codec_launch.h"
 #include "../kernels/int8_codec_math.h"
 #include "cpu_isa.h"
+#include "keep_denormals.h"
 
 namespace decent_comm {
 namespace {
@@ -102,10 +103,16 @@ struct DequantizeAddRange {
   }
 };
 
+// Each chunk runs with flush-to-zero and denormals-are-zero off, whatever the calling thread or the pool thread had
+// set (keep_denormals.h: the copies must not depend on it). The loop is an indirect call, so the compiler cannot
+// move its float operations across the mode switches.
 template <typename Range>
 void run_blocks(const Int8Codec& c) {
   const auto loop = pick_range<Range>();
-  at::parallel_for(0, c.blocks(), grain_blocks(c.block), [&](int64_t first, int64_t last) { loop(&c, first, last); });
+  at::parallel_for(0, c.blocks(), grain_blocks(c.block), [&](int64_t first, int64_t last) {
+    const cpu::KeepDenormals keep;
+    loop(&c, first, last);
+  });
 }
 
 template <typename XT>

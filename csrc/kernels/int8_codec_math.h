@@ -1,14 +1,18 @@
 // The element math of the 8-bit wire's codec (decent_comm/optim/int8_wire.py), written once for the CPU loops and
 // the CUDA kernels.
 //
-// A block of `block` values d (the change of a public copy) travels as int8 levels q = round(d * 127 / absmax),
-// round half to even, in -127..127, and one float32 scale absmax / 127; both ends of an edge then add q * scale to
-// their copy of the sender. Those copies must stay bit-identical on every device the two ends may run on (a CPU
-// rank and a GPU rank, an AVX2 and an SSE2 build), so every operation here is one IEEE float32 operation with its
-// own rounding: a multiply and an add are never contracted into an FMA (CUDA: the __f*_rn intrinsics, which nvcc
-// never fuses; host: the build passes -ffp-contract=off, so g++ does not fuse them even under -march=native), the
-// rounding to an integer uses the 1.5 * 2^23 trick in the default rounding mode (exact for |v| <= 2^22), and a
-// division is IEEE division on both (nvcc's default -prec-div=true).
+// A block of `block` values d (the change of a public copy, rounded to float32) travels as int8 levels and one
+// float32 scale fl(absmax / 127); both ends of an edge then add fl(level * scale) to their copy of the sender. A
+// level is fl(d * inverse), inverse = fl(127 / absmax), clamped to -127..127 and rounded to an integer half to
+// even; not round(d * 127 / absmax), from which it differs where the rounded inverse moves a product across a half
+// (ops.int8_encode_ states every operation). Those copies must stay bit-identical on every device the two ends may
+// run on (a CPU rank and a GPU rank, an AVX2 and an SSE2 build), so every operation here is one IEEE float32
+// operation with its own rounding: a multiply and an add are never contracted into an FMA (CUDA: the __f*_rn
+// intrinsics, which nvcc never fuses; host: the build passes -ffp-contract=off, so g++ does not fuse them even
+// under -march=native), the rounding to an integer uses the 1.5 * 2^23 trick in the default rounding mode (exact for
+// |v| <= 2^22), a division is IEEE division on both (nvcc's default -prec-div=true), and subnormals are kept: nvcc
+// flushes none without -ftz=true, and the CPU loops switch the caller's flush-to-zero and denormals-are-zero modes
+// off while they run (cpu/keep_denormals.h).
 #pragma once
 
 #include <cmath>
@@ -48,7 +52,8 @@ DC_HD float int8_sub(float a, float b) {
 }
 
 // The delta a rank encodes: x - copy, rounded once to float32 (as torch.sub into a float32 output: a float64 x is
-// subtracted in float64; bfloat16 and float16 convert to float32 exactly).
+// subtracted in float64; bfloat16 and float16 convert to float32 exactly). Beyond float32's range it is +-inf (a
+// float64 x of 1e39; 3e38 - (-3e38)): the block's absmax and scale are then inf and its copies NaN, as for an inf x.
 DC_HD float int8_delta(float x, float copy) { return int8_sub(x, copy); }
 DC_HD float int8_delta(double x, float copy) { return float(x - double(copy)); }
 

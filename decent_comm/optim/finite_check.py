@@ -8,9 +8,15 @@ neighbour of neither, whose next transfer or whole-group all-reduce then fails b
 it too ("rank 2 raised an error of its own before (the likely cause): ... not finite ...") instead of a dead peer;
 and once what its peers are to receive from it went out, it marks that it stops (``_stopping``), so that a peer
 waiting for it while its process lives on stops waiting too.
+
+On a round of the 8-bit wire the sender looks at its own public copy once encoded, in place of its parameters (the
+same cost): the copy is non-finite where the parameters are, and also where the parameters are finite but the
+change x - copy, or the new copy, is beyond float32's range (a float64 parameter above FLT_MAX; a float32 change of
+3e38 - (-3e38)). That block's copies are then NaN on the sender and its receivers, and the error names the wire's
+range as the cause instead of blaming the next optimizer step for the NaN parameters the mix makes of them.
 """
 import logging
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,9 +26,20 @@ from .plan import MixPlan
 log = logging.getLogger("decent_comm")
 
 
+#: the largest float32, beyond which the 8-bit wire's change x - copy or its copy cannot go
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def encodes(s, plan: MixPlan) -> bool:
+    """Whether launching `plan` encodes the buckets for the 8-bit wire (GossipSchedule._send_buffer)."""
+    return s.int8_wire is not None and s.exchange is not None and not plan.silent
+
+
 def before_sending(s, plan: MixPlan) -> List[int]:
     """The buckets whose buffers are non-finite; on a group step each is flagged first, as a group's sum cannot
-    say who sent what (GroupAllReduce.flag_nonfinite)."""
+    say who sent what (GroupAllReduce.flag_nonfinite). None on a round of the 8-bit wire: after_encoding looks."""
+    if encodes(s, plan):
+        return []
     bad = [b.index for b in s.buckets if not torch.isfinite(b.flat).all()]
     if bad and plan.group is not None and s.exchange is not None and not plan.silent:
         for i in bad:
@@ -30,13 +47,61 @@ def before_sending(s, plan: MixPlan) -> List[int]:
     return bad
 
 
-def raise_sent(s, plan: MixPlan, bad: List[int], made_by: Optional[int]):
-    """Raises this rank's error for its non-finite buckets `bad` once the exchange just posted completed (reported
-    first: a peer whose transfer fails meanwhile names it). `made_by`: the step whose update made them."""
+def after_encoding(s, plan: MixPlan) -> Tuple[List[int], List[str]]:
+    """On a round of the 8-bit wire (once every bucket was encoded): the buckets whose parameters are non-finite, and
+    a description of each bucket whose public copy went non-finite although its parameters are finite (the wire's
+    float32 range). Looks at the parameters only where the copy is non-finite: a non-finite x makes its copy's block
+    NaN, so a finite copy means finite parameters."""
+    bad, wire = [], []
+    for b in s.buckets:
+        copy = s.int8_wire.own_copy(b, plan)
+        if torch.isfinite(copy).all():
+            continue
+        if not torch.isfinite(b.flat).all():
+            bad.append(b.index)
+        else:
+            wire.append(_out_of_range(b, copy, s.int8_wire.block))
+    return bad, wire
+
+
+def _out_of_range(b, copy: torch.Tensor, block: int) -> str:
+    """Where bucket b's copy went non-finite: its first such codec block, and the element of largest |x| there with
+    the parameter holding it (the likely culprit: the x - copy that overflowed is gone from the NaN copy)."""
+    first = int(torch.nonzero(~torch.isfinite(copy))[0])
+    lo = first // block * block
+    hi = min(b.numel, lo + block)
+    magnitude = b.flat[lo:hi].double().abs()
+    k = lo + int(magnitude.argmax())
+    where = ""
+    for slot in b.slots:
+        if slot.offset <= k < slot.offset + slot.numel:
+            where = f", element {_index(k - slot.offset, slot)} of a parameter of shape {tuple(slot.shape)}"
+    return (f"bucket {b.index} (param group {b.group_index}), elements {lo}..{hi - 1} (largest |x| "
+            f"{float(magnitude.max()):g}{where})")
+
+
+def _index(m: int, slot) -> tuple:
+    """The index of the element at offset m of a slot's memory (dense; channels_last too, by its strides)."""
+    strides, step = [], 1
+    for size in reversed(slot.shape):
+        strides.insert(0, step)
+        step *= size
+    return tuple((m // st) % size for st, size in zip(slot.stride or strides, slot.shape))
+
+
+def raise_sent(s, plan: MixPlan, bad: List[int], made_by: Optional[int], wire: Sequence[str] = ()):
+    """Raises this rank's error for its non-finite buckets `bad`, and for the buckets `wire` whose 8-bit wire copies
+    left float32's range (after_encoding), once the exchange just posted completed (reported first: a peer whose
+    transfer fails meanwhile names it). `made_by`: the step whose update made them."""
     when = "before the first step" if made_by is None else f"after optimizer step {made_by}"
     when += s.warmup.culprits(made_by) if s.warmup else ""
-    error = _reported(s, f"the parameters of bucket(s) {bad} are not finite {when} (check_finite=True; steps "
-                         "count from 0)")
+    parts = [f"the parameters of bucket(s) {bad} are not finite {when}"] if bad else []
+    if wire:
+        parts.append(f"the change x - copy sent {when} exceeds the 8-bit wire's float32 range in " + "; ".join(wire) +
+                     f": the parameters are finite, but x - copy or the new public copy is beyond +-FLT_MAX = "
+                     f"{FLT_MAX:.8g}, so that codec block's public copies are NaN (or +-inf) on this rank and on "
+                     "the ranks it sends to (a parameter beyond +-FLT_MAX, float64, cannot use comm_dtype=torch.int8)")
+    error = _reported(s, "; ".join(parts) + " (check_finite=True; steps count from 0)")
     _complete_before_raising(s, plan)
     _stopping(s)
     raise error

@@ -148,16 +148,20 @@ class Int8Wire:
         payload = self._payload.get(b.index)
         if payload is None:
             payload = self._payload[b.index] = self.payload_buffer(b)
-        encode_(b.flat, b.state_buffer(_own_name(plan.send)), payload, self.block)
+        encode_(b.flat, self.own_copy(b, plan), payload, self.block)
         self._undecoded.add(b.index)
         return payload
+
+    def own_copy(self, b, plan) -> torch.Tensor:
+        """Bucket b's copy of itself that the receivers of `plan` hold (what encode(b, plan) advanced)."""
+        return b.state_buffer(_own_name(plan.send))
 
     def inputs(self, b, plan, payloads: List[torch.Tensor], fuse: bool) -> MixInputs:
         """What the mix of bucket b for `plan` reads (plan.as_correction's order): the neighbours' copies, then this
         rank's own copy. The payloads of the last exchange launched are added to the copies once: by the mix kernel
         that reads them when `fuse` (returned as MixInputs.copies with their payloads), else here, now."""
         copies = [b.state_buffer(n) for n in self._peer_names(plan)]
-        own = b.state_buffer(_own_name(plan.send))
+        own = self.own_copy(b, plan)
         if b.index not in self._undecoded:
             return MixInputs(copies + [own])
         self._undecoded.discard(b.index)

@@ -172,8 +172,11 @@ class GossipSchedule(ScheduleCheckpoint):
                 else:
                     self.exchange.exchange(b.index, send, recvs, send_to=plan.send, recv_from=plan.recv)
         self.inflight = plan
-        if bad:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
-            finite_check.raise_sent(self, plan, bad, made_by)
+        wire = []
+        if self.check_finite and finite_check.encodes(self, plan):  # the 8-bit wire: its copies, once encoded
+            bad, wire = finite_check.after_encoding(self, plan)
+        if bad or wire:  # raised after the exchange was posted, so the neighbours name this rank instead of timing out
+            finite_check.raise_sent(self, plan, bad, made_by, wire)
 
     @traced("exchange_wait")
     def mix_inputs(self, b, plan: MixPlan, fuse: bool = True) -> MixInputs:
