@@ -235,3 +235,81 @@ def test_the_host_path_skips_the_update_as_grad_scaler_skips_a_torch_optimizer(f
                         [p.detach() for p in m_torch.parameters()])
     assert [float(ours.state[p].get("step", 0)) for p in m_ours.parameters()] == \
         [float(ref.state[p].get("step", 0)) for p in m_torch.parameters()]
+
+
+# Scaled gradients in the all-reduce warm-up, without scaler.unscale_(opt): each rank's GradScaler backs off from
+# its own overflow flag, so after an overflow on rank 1 (every rank skips that step) the ranks' scales differ.
+WARMUP_OVERFLOW, WARMUP_STEPS = {(1, 1), (2, 2)}, 5  # both in the warm-up, followed by more warm-up steps
+WARMUP_CASES = {  # name: (our optimizer, torch's for the DDP reference), same hyper-parameters
+    "DSGD-awc": (lambda ps, **kw: decent_comm.DSGD(ps, lr=0.05, momentum=0.9, mode="awc", **kw),
+                 lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+    "DAdamW-awc": (lambda ps, **kw: decent_comm.DAdamW(ps, lr=0.01, mode="awc", **kw),
+                   lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+    "DAdamW-atc": (lambda ps, **kw: decent_comm.DAdamW(ps, lr=0.01, mode="atc", **kw),
+                   lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+    "Decentralized(AdamW)": (lambda ps, **kw: decent_comm.Decentralized(torch.optim.AdamW(ps, lr=0.01), **kw),
+                             lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+    "Decentralized(AdamW-fused)": (
+        lambda ps, **kw: decent_comm.Decentralized(torch.optim.AdamW(ps, lr=0.01, fused=True), mode="atc", **kw),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01)),
+    "Decentralized(SGD)": (lambda ps, **kw: decent_comm.Decentralized(torch.optim.SGD(ps, lr=0.05), **kw),
+                           lambda ps: torch.optim.SGD(ps, lr=0.05)),
+}
+
+
+def _warmup_batch(rank, t, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * t + rank)
+    return torch.randn(6, 5, generator=g).to(dtype), torch.randn(6, 2, generator=g).to(dtype)
+
+
+def _warmup_under_scaler_without_unscale(rank, n):
+    out = {}
+    for name, (ctor, _) in WARMUP_CASES.items():
+        model = make_model("cpu")
+        opt = ctor(list(model.parameters()), warmup_steps=WARMUP_STEPS, timeout=30)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        for t in range(WARMUP_STEPS):
+            x, y = _warmup_batch(rank, t)
+            loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if (rank, t) in WARMUP_OVERFLOW else 1.0)
+            scaler.scale(loss).backward()  # and no scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out[name] = ([p.detach().clone() for p in model.parameters()], opt.consensus_distance(), scaler.get_scale())
+        opt.shutdown()
+    return out
+
+
+def _ddp_reference(torch_ctor, n):
+    """DDP's update in float64: torch's optimizer on the mean over the ranks of their unscaled gradients; a step
+    with an overflow on any rank is skipped by all (DDP's all-reduced gradient overflows on every rank)."""
+    model = make_model("cpu").double()
+    params = list(model.parameters())
+    opt = torch_ctor(params)
+    for t in range(WARMUP_STEPS):
+        if any((r, t) in WARMUP_OVERFLOW for r in range(n)):
+            continue
+        per_rank = [torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), params)
+                    for x, y in (_warmup_batch(r, t, torch.float64) for r in range(n))]
+        for p, *gs in zip(params, *per_rank):
+            p.grad = sum(gs) / n
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def test_warmup_average_unscales_each_ranks_gradient_by_its_own_scale():
+    """The scaled gradients were averaged, (s*g0 + s/2*g1 + s*g2)/3, and each rank unscaled the mean by its own
+    scale: rank 1 stepped twice as far and the replicas parted (consensus distance 5e-4). Now each rank's gradient
+    is unscaled before the average: the replicas stay identical, on DDP's trajectory."""
+    results = run_ranks(_warmup_under_scaler_without_unscale, 3, timeout=300)
+    for name, (_, torch_ctor) in WARMUP_CASES.items():
+        scales = [r[name][2] for r in results]
+        assert len(set(scales)) > 1, (name, scales)  # the case this is about: the ranks' scales differ
+        want = _ddp_reference(torch_ctor, 3)
+        for rank, r in enumerate(results):
+            params, cd, _ = r[name]
+            assert cd < 1e-14, (name, rank, cd)
+            for i, (a, b, w) in enumerate(zip(params, results[0][name][0], want)):
+                assert torch.equal(a, b), (name, rank, i, (a - b).abs().max())
+                torch.testing.assert_close(a.double(), w, rtol=0, atol=2e-6,
+                                           msg=lambda m: f"{name} rank {rank} parameter {i}: {m}")

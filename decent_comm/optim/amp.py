@@ -61,8 +61,16 @@ def host_unscale_and_check(grad_scale, found_inf, grads: List[torch.Tensor]) -> 
     """The host path: True when this step's update must be skipped; else `grads` are unscaled in place."""
     if found_inf is not None and float(found_inf) != 0:  # != 0: a NaN flag skips too, as in the kernels
         return True
-    if grad_scale is not None:
-        inv = 1.0 / grad_scale.double() if torch.is_tensor(grad_scale) else 1.0 / grad_scale
-        for g in grads:
-            g.mul_(inv.to(g.device) if torch.is_tensor(inv) else inv)
+    unscale_(grad_scale, grads)
     return False
+
+
+@torch.no_grad()
+def unscale_(grad_scale, grads: List[torch.Tensor]) -> None:
+    """Divides `grads` in place by GradScaler's scale (None: unscaled already), by its float64 reciprocal as
+    GradScaler.unscale_ does; on the device, no host read. An inf or NaN gradient stays so."""
+    if grad_scale is None:
+        return
+    inv = 1.0 / grad_scale.double() if torch.is_tensor(grad_scale) else 1.0 / grad_scale
+    for g in grads:
+        g.mul_(inv.to(g.device) if torch.is_tensor(inv) else inv)

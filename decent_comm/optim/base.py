@@ -166,10 +166,9 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     # ---------------------------------------------------------------------------------------------- step
 
-    def _amp_for_step(self, found_inf: Optional[torch.Tensor]):
-        """GradScaler's scalars (decent_comm.optim.amp; found_inf as amp.overflow_flag made it): those the kernels
-        read (or None), and whether the host path says to skip this step's update."""
-        grad_scale = getattr(self, "grad_scale", None)
+    def _amp_for_step(self, found_inf: Optional[torch.Tensor], grad_scale):
+        """GradScaler's scalars (decent_comm.optim.amp; found_inf as amp.overflow_flag made it, grad_scale as
+        _average_gradients left it): those the kernels read (or None), and whether the host path says to skip."""
         in_kernel = amp.kernel_amp(grad_scale, found_inf, [b.device for b in self._buckets]) \
             if self._amp_in_kernel else None
         if in_kernel is not None:
@@ -192,9 +191,11 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         several times); None: step() evaluates it first."""
         return None
 
-    def _average_gradients(self, found_inf):
-        """The warm-up's gradient average (Decentralized: after each evaluation of the closure it hands on)."""
-        self._schedule.average_gradients(self._schedule.t, found_inf)
+    def _average_gradients(self, found_inf, grad_scale):
+        """The warm-up's gradient average (Decentralized: after each evaluation of the closure it hands on); returns
+        GradScaler's scale still to undo: None after an average, which unscaled each rank's gradients first."""
+        return None if self._schedule.average_gradients(self._schedule.t, found_inf, grad_scale=grad_scale) \
+            else grad_scale
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -222,8 +223,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
             self._gather_grads()
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
-            self._average_gradients(found_inf)
-            self._amp, skip_update = self._amp_for_step(found_inf)
+            grad_scale = self._average_gradients(found_inf, getattr(self, "grad_scale", None))
+            self._amp, skip_update = self._amp_for_step(found_inf, grad_scale)
             if self.mode == "awc":
                 self._step_awc(skip_update)
             else:

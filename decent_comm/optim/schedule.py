@@ -132,14 +132,13 @@ class GossipSchedule(ScheduleCheckpoint):
             self.adaptive.record_step_sq(value)
 
     def average_gradients(self, step: int, found_inf: Optional[torch.Tensor] = None,
-                          evaluation: Optional[int] = None) -> bool:
+                          evaluation: Optional[int] = None, grad_scale=None) -> bool:
         """Warm-up: replaces every bucket's gradient by the mean over the ranks (DDP's update; the replicas stay
         identical; warmup.WarmupAverage.average; `evaluation`: the wrapped optimizer's closure evaluation of the
-        step). Returns whether this step is a warm-up step."""
-        if not self.cadence.in_warmup(step):
+        step). Returns whether it averaged, which unscaled the gradients by `grad_scale` (GradScaler's) first."""
+        if not self.cadence.in_warmup(step) or self.warmup is None:
             return False
-        if self.warmup is not None:
-            self.warmup.average(step, found_inf, evaluation)
+        self.warmup.average(step, found_inf, evaluation, grad_scale)
         return True
 
     # -------------------------------------------------------------------------------------- communication

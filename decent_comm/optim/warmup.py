@@ -1,7 +1,8 @@
 """The all-reduce warm-up (``warmup_steps``): the first steps average the gradients over the ranks, DDP's update,
-so the replicas start identical and stay so (as torch's PostLocalSGDOptimizer). Blocking whole-group all-reduces
-through the schedule's BoundedAllReduce, announced first (agreement.announce), since a rank out of step would
-pair them with another call's."""
+so the replicas start identical and stay so (as torch's PostLocalSGDOptimizer); under GradScaler each rank's
+gradient is unscaled by its own scale first, since the ranks' scales part after an overflow on some. Blocking
+whole-group all-reduces through the schedule's BoundedAllReduce, announced first (agreement.announce), since a rank
+out of step would pair them with another call's."""
 
 from typing import Optional
 
@@ -9,6 +10,7 @@ import torch
 
 from ..exchange import ranks_text
 from .agreement import announce
+from .amp import unscale_
 from .tracing import traced
 
 
@@ -20,7 +22,8 @@ class WarmupAverage:
 
     @traced("warmup_allreduce")
     @torch.no_grad()
-    def average(self, step: int, found_inf: Optional[torch.Tensor], evaluation: Optional[int] = None):
+    def average(self, step: int, found_inf: Optional[torch.Tensor], evaluation: Optional[int] = None,
+                grad_scale=None):
         """Replaces every bucket's gradient by the mean over the ranks: one all-reduce per bucket, plus one of the
         count of the ranks that have each gradient, and one of `found_inf` so every rank skips an overflow together.
 
@@ -29,7 +32,13 @@ class WarmupAverage:
         every rank (.grad set), so the replicas stay identical; one no rank used keeps no gradient.
 
         `evaluation`: the wrapped optimizer's closure evaluation of this step (Decentralized(LBFGS) averages after
-        each), announced with it, so that ranks evaluating it unequally often are told so."""
+        each), announced with it, so that ranks evaluating it unequally often are told so.
+
+        `grad_scale`: GradScaler's scale of this rank (opt.grad_scale; None once unscale_ ran), undone before the
+        average, which is then unscaled (the caller must not unscale again). Each scaler backs off from its own
+        overflow flag, so after an overflow on some ranks the scales differ: averaged scaled, s*g0 + s/2*g1 was
+        unscaled by each rank's own scale and the replicas parted (consensus distance 5e-4 after one overflow).
+        The mean of the unscaled gradients is DDP's update, which all-reduces under a scale every rank shares."""
         slots = [(b, s) for b in self.buckets for s in b.slots]
         absent = [k for k, (_, s) in enumerate(slots) if s.param.grad is None]
         scaler = [found_inf.numel()] if found_inf is not None else []
@@ -48,6 +57,7 @@ class WarmupAverage:
         for k in absent:
             b, s = slots[k]
             b.view(b.grad, s).zero_()
+        unscale_(grad_scale, [b.grad for b in self.buckets])
         for b in self.buckets:
             self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
             b.grad.div_(self.world_size)

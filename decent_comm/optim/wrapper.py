@@ -114,9 +114,10 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         averaged.averages = True
         return averaged
 
-    def _average_gradients(self, found_inf):
+    def _average_gradients(self, found_inf, grad_scale):
         if not getattr(self._closure, "averages", False):  # else after each evaluation of the closure
-            super()._average_gradients(found_inf)
+            return super()._average_gradients(found_inf, grad_scale)
+        return grad_scale
 
     def _initialize_state(self):
         self.inner.step()  # the wrapped optimizer initializes its own state (torch semantics), without gossip
