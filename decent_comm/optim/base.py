@@ -362,7 +362,9 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
     # ------------------------------------------------------------------------------------------ grad utils
 
     def zero_grad(self, set_to_none: bool = True):
-        zero_grads(self._buckets, set_to_none)
+        # torch.optim's profiler range, under the name torch.optim.Optimizer.__init__ (or Decentralized) set
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            zero_grads(self._buckets, set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Local gradient-norm clipping over the flat gradient buffers (torch.nn.utils.clip_grad_norm_

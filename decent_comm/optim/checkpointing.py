@@ -11,8 +11,8 @@ from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
 from .schedule import CORRECTION
 from .schedule_state import check_schedule_state
-from .state_views import (StateLayout, drop_named_state, gather_named_state, publish_named_state, read_state,
-                          write_state)
+from .state_views import (StateLayout, drop_named_state, gather_named_state, param_states, publish_named_state,
+                          read_state, saved_param, split_saved_state, write_state)
 
 #: param_groups[0] key of where the gossip schedule stands (GossipSchedule.state_dict())
 SCHEDULE_KEY = "decentralized"
@@ -64,18 +64,28 @@ class StateDictMixin:
         with state_dict_hooks.suspended(self):
             return super().state_dict()
 
-    def _load_optimizer_state_dict(self, state_dict: dict):
-        saved_state = state_dict.get("state", {})
-        # As torch.optim: the saved groups' "params" (indices, or FQNs from torch.distributed.checkpoint) name the
-        # current parameters by position.
+    def _saved_param_of(self, state_dict: dict) -> dict:
+        """As torch.optim: the saved groups' "params" (indices, or FQNs from torch.distributed.checkpoint) name the
+        current parameters by position."""
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
-        param_of = dict(zip(saved_ids, self._param_list()))
+        return dict(zip(saved_ids, self._param_list()))
+
+    def _load_optimizer_state_dict(self, state_dict: dict):
+        param_of = self._saved_param_of(state_dict)
+        saved_state, others = split_saved_state(state_dict.get("state", {}), param_of)
         layout = self._state_layout()
         # raises before anything is loaded
         loaded = read_state(self._buckets, saved_state, param_of, layout, foreign_value=_cast_like_torch)
-        with state_dict_hooks.suspended(self):
-            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        with state_dict_hooks.suspended(self):  # torch keeps the keys that name no parameter as they are
+            super().load_state_dict({"state": others, "param_groups": state_dict["param_groups"]})
         write_state(self._buckets, loaded, self.state, layout)
+        # opt.state (and so the next state_dict()) in the saved order, as torch's load builds it: write_state put the
+        # parameters' entries after the others
+        for saved_key in state_dict.get("state", {}):
+            p = saved_param(param_of, saved_key)
+            key = saved_key if p is None else p
+            if key in self.state:
+                self.state[key] = self.state.pop(key)
 
     def state_dict(self):
         return state_dict_hooks.state_dict_with_hooks(self, self._state_dict)
@@ -115,10 +125,11 @@ class StateDictMixin:
         self._complete_loaded_groups(groups)
         self._check_group_options(groups)
         has_int8_wire = self._schedule.int8_wire is not None
-        extra, restart_copies = check_schedule_state(extra, state_dict.get("state", {}), has_int8_wire,
-                                                       len(self._param_list()))
+        # only the parameters' entries are checked: the other keys are kept as they are (split_saved_state)
+        saved_state, _ = split_saved_state(state_dict.get("state", {}), self._saved_param_of(state_dict))
+        extra, restart_copies = check_schedule_state(extra, saved_state, has_int8_wire, len(self._param_list()))
         self._schedule.check_loadable(extra)
-        self._check_state_names(state_dict.get("state", {}))
+        self._check_state_names(saved_state)
         # The int8 wire's round in flight goes into the live copies first, on every rank: a state dict without
         # copies and without the schedule entry (a torch.optim checkpoint, rank 0's state at another world size)
         # keeps them, and the senders' own copies already hold that round. Loaded or restarted copies replace them.
@@ -164,7 +175,7 @@ class StateDictMixin:
         # Not before the first step of an optimizer without state (its copies are zero, as a new one's): a state
         # that holds only them made torch.distributed.checkpoint skip its state initialization (a non-empty
         # opt.state), so a template without Adam's moments loaded none of them.
-        copies = self._schedule.t > 0 or any(self.state.values())
+        copies = self._schedule.t > 0 or any(param_states(self.state))
         for name in Int8Wire.state_names(self._buckets):
             publish_named_state(self._buckets, self.state, name, copies, self._round_state_for_stateless_params)
 
@@ -179,6 +190,6 @@ class StateDictMixin:
             drop_named_state(self._buckets, self.state, CORRECTION)
 
     def _gather_round_state(self):
-        wire = {k for st in self.state.values() for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
+        wire = {k for st in param_states(self.state) for k in st if isinstance(k, str) and k.startswith(WIRE_PREFIX)}
         for name in [CORRECTION] + sorted(wire):
             gather_named_state(self._buckets, self.state, name)

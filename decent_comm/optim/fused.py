@@ -103,6 +103,7 @@ class _FusedGroupOptions:
             where = f" (param group {index})"
             _reject_unsupported(name, where, **{flag: group.get(flag) for flag in self._UNSUPPORTED})
             self._check_group(group, name + where)
+            _check_group_tensors(group, name + where)
             self._check_values(group, name + where, self._math_dtype(index))
 
     def _check_group(self, group, where):
@@ -154,7 +155,29 @@ def _meta_bucket(dtype):
     return _MetaBucket(dtype)
 
 
+def _check_one_element(**values):
+    """torch.optim's ValueError("Tensor lr must be 1-element") for a tensor option of several elements, raised
+    before the option is compared: `0.0 <= lr` raised RuntimeError("Boolean value of Tensor with more than one value
+    is ambiguous"), which names no option. torch checks lr (and betas, too late) so; eps, weight_decay, momentum and
+    dampening fail the same way in torch, and are named here too."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+
+
+def _check_group_tensors(group, where):
+    """_check_one_element for a param group's options (groups given as dicts, edited, or loaded), naming it."""
+    names = ("lr", "eps", "weight_decay", "momentum", "dampening")
+    values = {name: group[name] for name in names if name in group}
+    values.update({f"betas[{i}]": b for i, b in enumerate(group.get("betas", ()))})
+    try:
+        _check_one_element(**values)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def _check_common(lr, weight_decay, eps=None, betas=None):
+    _check_one_element(lr=lr, weight_decay=weight_decay, eps=eps)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= weight_decay:
@@ -164,6 +187,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
     if betas is not None:
         if len(betas) != 2:  # else a step failed to unpack them
             raise ValueError(f"betas must be a pair (beta1, beta2), got {tuple(betas)!r}")
+        _check_one_element(**{f"betas[{i}]": b for i, b in enumerate(betas)})
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}")
@@ -178,6 +202,7 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                  foreach=None, differentiable=False, fused=None, **decentralized):
         with refusal_told(decentralized):
             _check_common(lr, weight_decay)
+            _check_one_element(momentum=momentum, dampening=dampening)
             if momentum < 0:
                 raise ValueError(f"Invalid momentum value: {momentum}")
             if nesterov and (momentum <= 0 or dampening != 0):
@@ -231,7 +256,9 @@ class _AdamBase(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
             _reject_unsupported(type(self).__name__, amsgrad=amsgrad, maximize=maximize, capturable=capturable,
                                 differentiable=differentiable)
             opts = _split_options(decentralized)
-            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
+            # as torch's Adam (_to_scalar): a one-element tensor beta is kept as a 0-dim tensor
+            betas = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else b for b in betas)
+            defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **(_extra_defaults or {}))
             torch.optim.Optimizer.__init__(self, params, defaults)
         self._init_decentralized(**opts)
 

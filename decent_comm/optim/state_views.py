@@ -4,8 +4,9 @@ views, loading a state_dict into the buffers (validated in full before anything 
 buffers (the 8-bit wire's copies, a delayed round's correction) that state_dict() carries for checkpoints.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,9 +79,7 @@ def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict, layout:
     bucket_memory = {t.untyped_storage().data_ptr() for b in buckets for t in [b.step_count, *b.state.values()]}
     loaded: Loaded = {}
     for key, st in saved_state.items():
-        p = param_of.get(key)
-        if p is None and isinstance(key, str) and key.isdigit():  # indices turned into strings (JSON, ...)
-            p = param_of.get(int(key))
+        p = saved_param(param_of, key)
         if p is None or not st:
             continue
         b, i = slot_of[id(p)]
@@ -98,6 +97,40 @@ def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict, layout:
                 tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
         loaded[(id(b), i)] = (count, tensors, foreign)
     return loaded
+
+
+def saved_param(param_of: dict, key):
+    """The parameter a saved state key names (`param_of`: the saved groups' "params", indices or FQNs, -> the live
+    parameters), also an index turned into a string (JSON, ...); None for a key that names none."""
+    p = param_of.get(key)
+    if p is None and isinstance(key, str) and key.isdigit():
+        p = param_of.get(int(key))
+    return p
+
+
+def split_saved_state(saved_state: dict, param_of: dict) -> Tuple[dict, dict]:
+    """A state_dict's "state" as (the parameters' entries, the others). The others are what code beside the optimizer
+    keeps in opt.state under keys that are no parameter (torch's own tests write opt.state["test"] = 1 from a hook):
+    torch.optim's load_state_dict puts them back in opt.state as they are, whatever their type, and so must ours;
+    read as a parameter's state, a bool failed to iterate and a string or dict was dropped. ValueError for a
+    parameter's entry that is not a dict (its state could not be read)."""
+    params, others = {}, {}
+    for key, st in saved_state.items():
+        if saved_param(param_of, key) is None:
+            others[key] = st
+        elif st is None or isinstance(st, Mapping):
+            params[key] = st
+        else:
+            raise ValueError(f"the state of parameter {key!r} is a {type(st).__name__}, not a dict of its state "
+                             f"names: nothing was loaded")
+    return params, others
+
+
+def param_states(state) -> list:
+    """The parameters' entries of a live opt.state (keyed by the parameter tensors, as torch.optim's state_dict()
+    tells them from the other keys), not what other code keeps there under other keys (any value: a bool, a
+    tensor of several elements)."""
+    return [st for k, st in state.items() if isinstance(k, torch.Tensor)]
 
 
 @torch.no_grad()
@@ -180,7 +213,7 @@ def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
     for b in buckets:
         for name in [n for n in b.state if n.startswith(prefix)]:
             del b.state[name]
-    for st in state.values():
+    for st in param_states(state):
         for name in [n for n in st if isinstance(n, str) and n.startswith(prefix)]:
             del st[name]
 
