@@ -117,3 +117,35 @@ def test_clip_grad_norm_below_max_norm_leaves_the_gradients_as_torch(name, norm_
     assert float(norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, 100.0, norm_type)), rel=1e-6)
     for p, q, g in zip(ours, theirs, grads):
         assert torch.equal(q.grad, g) and torch.equal(p.grad, g), (p.grad - g).abs().max()
+
+
+NORM_TYPES = [2.0, 1, 0.5, 0, float("inf"), float("-inf"), -1, -2, "inf", "-inf", torch.tensor(3.0), True]
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES, ids=repr)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_clip_grad_norm_measures_the_parameters_not_the_bucket_padding(name, norm_type):
+    """Parameters of 5, 3 and 6 elements share a bucket with alignment padding between them, which holds zeros: a
+    norm of order <= 0 measured over it was 0 (negative orders, -inf) or counted the runs of parameters (0), and
+    nothing was clipped. The norm and the clipped gradients are torch.nn.utils.clip_grad_norm_'s on the same
+    gradients, for every norm_type torch takes: a parameter without a gradient is ignored, and a bfloat16 parameter
+    (its own bucket) is scaled by the float32 coefficient as torch scales it."""
+    torch.manual_seed(2)
+    values = [torch.randn(5), torch.randn(3), torch.randn(2, 3), torch.randn(4), torch.randn(7).bfloat16()]
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    opt = OPTIMIZERS[name][0]([dict(params=ours[:4]), dict(params=ours[4:])])
+    assert opt._buckets[0].numel > sum(p.numel() for p in ours[:4])  # the padding this test is about
+    grads = [torch.randn(v.shape, dtype=v.dtype) + 2 for v in values]  # away from 0: orders <= 0 are large
+    grads[3] = None  # no gradient: ignored by both
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = (None, None) if g is None else (g.clone(), g.clone())
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 0.01, norm_type)
+    norm = opt.clip_grad_norm_(0.01, norm_type)
+    assert norm.dtype == expected.dtype
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    assert float(expected) > 0.01  # torch clipped: so must we
+    for p, q in zip(ours, theirs):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6 if q.dtype == torch.float32 else 0, atol=0)

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .buckets import Bucket, adopt_storage, converted
-from .step_counts import segments
+from .step_counts import grads_present, segments
 
 
 _is_sparse, _size, _data_ptr = operator.attrgetter("is_sparse"), torch.Tensor.size, torch.Tensor.data_ptr
@@ -146,17 +146,29 @@ def zero_grads(buckets: List[Bucket], set_to_none: bool) -> None:
 @torch.no_grad()
 def clip_grad_norm(buckets: List[Bucket], max_norm: float, norm_type: float,
                    sparse_ok: Callable[[Bucket], bool]) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored)."""
+    """torch.nn.utils.clip_grad_norm_ over the buckets' flat gradients (parameters without one are ignored): the
+    norm of the parameters' norms, each gradient scaled by min(1, max_norm / (norm + 1e-6))."""
+    max_norm, norm_type = float(max_norm), float(norm_type)  # as torch does: "inf", True, a 0-d tensor are taken
     gather_grads(buckets, sparse_ok)
     norms = []
     for b in buckets:
-        for seg in segments(b, [0] * len(b.slots), b.cache.has):
-            if seg.has_grad:
-                norms.append(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type))
+        if norm_type > 0:
+            # One norm per run of parameters (usually the whole bucket): the alignment padding's zeros between them
+            # add nothing to a positive order's sum, nor to inf's maximum.
+            norms.extend(torch.linalg.vector_norm(b.grad[seg.start:seg.stop], norm_type)
+                         for seg in segments(b, [0] * len(b.slots), b.cache.has) if seg.has_grad)
+        else:
+            # Negative orders and -inf: a padding zero collapses the norm to 0 (1/|0|^p is inf; -inf's minimum). 0:
+            # torch's 0-"norm" of the norms counts the parameters whose gradient is not all zero, not runs of them.
+            # So each parameter's own elements are measured, as torch measures each .grad.
+            views = [v for v, has in zip(b.cache.grad_views(b), grads_present(b)) if has]
+            norms.extend(torch._foreach_norm(views, norm_type) if views else ())
     if not norms:
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for b in buckets:
-        b.grad.mul_(coef.to(b.grad.device, b.grad.dtype))
+        # the coefficient in the total's dtype, as torch multiplies it (a bfloat16 bucket among float32 ones: the
+        # float32 coefficient, not its bfloat16 rounding)
+        b.grad.mul_(coef.to(b.grad.device))
     return total
