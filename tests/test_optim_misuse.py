@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import decent_comm
 from decent_comm.optim.plan import consensus_factor
@@ -97,6 +98,9 @@ def test_parameters_that_share_memory_are_refused(ctor):
               {"params": [torch.nn.Parameter(torch.zeros(1, 3).expand(4, 3))]}])
 
 
+PG_TYPE = r"process_group must be a torch.distributed ProcessGroup \(or None for the default group\), got "
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(timeout=-5), "timeout"), (dict(timeout=float("nan")), "timeout"), (dict(timeout="1"), "timeout"),
     (dict(comm_dtype=torch.int32), "comm_dtype"), (dict(comm_dtype="bf16"), "comm_dtype"),
@@ -114,6 +118,9 @@ def test_parameters_that_share_memory_are_refused(ctor):
     (dict(consensus=torch.tensor([0.5, 0.5])), "consensus factor must be a number"),
     (dict(timeout=1e10), "timeout must be at most"),  # the transports' deadline overflowed: every wait timed out
     (dict(timeout=datetime.timedelta.max), "timeout must be at most"),
+    # torch's "Group x is not registered" or an AttributeError, naming neither the argument nor what it must be
+    (dict(process_group="x"), PG_TYPE + "str"), (dict(process_group=0), PG_TYPE + "int"),
+    (dict(process_group=object()), PG_TYPE + "object"),
 ])
 def test_options_are_checked_at_world_size_one(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -128,6 +135,44 @@ def test_a_zero_timeout_is_refused_by_every_optimizer(ctor, timeout):
     """Zero is no bound: every wait would time out at once (the transports take at least 1 ms)."""
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         ctor(torch.nn.Linear(2, 2).parameters(), timeout=timeout)
+
+
+def _unusable_process_group(rank, world_size):
+    """Rank 0 passes what is no process group of its own; ranks 1 and 2 build on a group of theirs (None: the default
+    group; timeout 3 s)."""
+    from decent_comm.exchange import Exchanger
+    everyone, pair = dist.new_group([0, 1, 2]), dist.new_group([1, 2])  # pair: NON_GROUP_MEMBER on rank 0
+    out = {}
+    for case, build in [("optimizer", lambda g: decent_comm.DSGD([torch.nn.Parameter(torch.ones(4))], lr=0.1,
+                                                                 process_group=g, timeout=3)),
+                        ("exchanger", lambda g: Exchanger(process_group=g, timeout=3))]:
+        for kind, bad, group in [("str", "x", None), ("object", object(), everyone), ("non-member", pair, pair)]:
+            try:
+                built = build(bad if rank == 0 else group)
+                built.shutdown()
+                out[case, kind] = ("built", "")
+            except Exception as exc:  # noqa: BLE001
+                out[case, kind] = (type(exc).__name__, str(exc))
+    dist.barrier()  # rank 0 is done at once: it leaves the default group only when the others are done too
+    return out
+
+
+def test_an_unusable_process_group_is_named_and_its_peers_time_out_naming_the_rank():
+    """A process_group that is no ProcessGroup on one rank: that rank raises a ValueError naming the argument and the
+    type given, before torch sees it (it raised torch's "Group x is not registered", or an AttributeError that also
+    escaped the Exchanger's refusal handling); it has no group to tell its peers on, so they time out naming it. A
+    group the rank is not a member of (dist.new_group's NON_GROUP_MEMBER) says so, and its members build."""
+    out = run_ranks(_unusable_process_group, 3, timeout=120)
+    for case, prefix in [("optimizer", ""), ("exchanger", "Exchanger: ")]:
+        for kind in ("str", "object"):
+            assert out[0][case, kind] == ("ValueError", prefix + PG_TYPE.replace("\\", "") + kind), out[0]
+            for r in (1, 2):
+                err, msg = out[r][case, kind]
+                assert err == "ExchangeTimeout" and "rank 0 did not arrive within 3 s" in msg, (r, case, kind, msg)
+        err, msg = out[0][case, "non-member"]
+        assert err == "ValueError" and msg.startswith(prefix + "this process (global rank 0) is not a member of the "
+                                                      "process_group given"), msg
+        assert out[1][case, "non-member"] == out[2][case, "non-member"] == ("built", "")
 
 
 @pytest.mark.parametrize("value", [0.25, 1, np.float32(0.25), torch.tensor(0.25, dtype=torch.float64),

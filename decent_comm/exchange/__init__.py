@@ -14,12 +14,13 @@ Imported here for decent_comm.optim, which uses them, but not public API (not in
 ``BoundedAllReduce`` (the optimizers' whole-group all-reduces, held to the same timeout; ``CollectiveMismatch`` when
 the ranks are not at the same call) and ``broadcast_from_rank0`` (their start-up copy of rank 0's parameters), the
 start-up barrier and the store exchange it rests on (``wait_for_ranks``, ``swap``), the wording of errors
-(``ranks_text``, ``in_global_ranks``, ``timeout_s``), an error kept for later without its frames (``detached``), the
+(``ranks_text``, ``in_global_ranks``, ``timeout_s``), the check of a `process_group` argument
+(``check_process_group``), an error kept for later without its frames (``detached``), the
 reading of a `timeout` option (``timeout_seconds``), and closing what nobody shut down (``track_owner`` registers an
 owner of exchangers, shut down before them at exit; ``close_on_collect`` for its finalizer).
 """
 from ._closing import close_on_collect, track_owner
-from .arrival import detached, in_global_ranks, ranks_text, timeout_s, wait_for_ranks
+from .arrival import check_process_group, detached, in_global_ranks, ranks_text, timeout_s, wait_for_ranks
 from .bounded import BoundedAllReduce, CollectiveMismatch, broadcast_from_rank0
 from .exchanger import MAX_BUCKETS, ExchangeError, ExchangeTimeout, Exchanger, nccl_available
 from .gossip_exchange import GossipExchange

@@ -61,6 +61,23 @@ def timeout_s(group, timeout: Optional[float]) -> float:
     return group_timeout_s(group) if timeout is None else float(timeout)
 
 
+def check_process_group(group, who: str = "") -> None:
+    """A ValueError, its message starting with `who` ("Exchanger: "), unless `group` is None (the default group) or a
+    torch.distributed ProcessGroup; checked before any torch call takes it: torch's own errors for a string ("Group x
+    is not registered") or another object (AttributeError) named neither the argument nor what it must be. A rank
+    refused here has no group to tell its peers on: they wait for it and time out naming it (wait_for_ranks)."""
+    if group is None or (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        return
+    if dist.is_available() and type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # what dist.new_group() returns on the ranks it leaves out
+        rank = f" (global rank {dist.get_rank()})" if dist.is_initialized() else ""
+        raise ValueError(f"{who}this process{rank} is not a member of the process_group given "
+                         "(dist.new_group() returned GroupMember.NON_GROUP_MEMBER here): use it on the ranks of that "
+                         "group only")
+    raise ValueError(f"{who}process_group must be a torch.distributed ProcessGroup (or None for the default group), "
+                     f"got {type(group).__name__}")
+
+
 def members_of(group) -> Optional[List[int]]:
     """The global ranks of `group`'s members (None for the default group, or torch.distributed not initialized):
     what an object keeps to name ranks in its errors instead of the group itself, which it must not hold past its

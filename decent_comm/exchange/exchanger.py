@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .._native import _C
 from . import _closing, timeouts
-from .arrival import wait_for_ranks
+from .arrival import check_process_group, wait_for_ranks
 
 __all__ = ["Exchanger", "ExchangeError", "ExchangeTimeout", "nccl_available", "MAX_BUCKETS"]
 
@@ -166,6 +166,7 @@ class Exchanger(_C._Exchanger):
 
     def __init__(self, process_group=None, device=None, *, timeout=None, wire_dtype: Optional[torch.dtype] = None,
                  nccl_max_ctas: Optional[int] = None, _allow_self_exchange: bool = False):
+        check_process_group(process_group, "Exchanger: ")  # before torch takes it: it has no group to tell peers on
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Exchanger: torch.distributed is not initialized (call dist.init_process_group)")
         group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()

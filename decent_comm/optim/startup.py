@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .. import topology as topo_mod
-from ..exchange import (ExchangeError, ExchangeTimeout, in_global_ranks, ranks_text, swap, timeout_s, timeout_seconds,
-                        wait_for_ranks)
+from ..exchange import (ExchangeError, ExchangeTimeout, check_process_group, in_global_ranks, ranks_text, swap,
+                        timeout_s, timeout_seconds, wait_for_ranks)
 from .plan import consensus_factor
 from .shared_memory import labelled_params
 
@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 def distributed_context(process_group):
     """(rank, world_size) of the group, or (0, 1) when torch.distributed is not initialized (RuntimeError then
-    inside a launcher's job of several processes: each rank trained alone, silently)."""
+    inside a launcher's job of several processes: each rank trained alone, silently). A `process_group` that is no
+    ProcessGroup is refused first (check_process_group), untold: this rank has no group to meet its peers on."""
+    check_process_group(process_group)
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise RuntimeError("a process_group was given but torch.distributed is not initialized")
@@ -34,11 +36,7 @@ def distributed_context(process_group):
                                f"{world} processes): call torch.distributed.init_process_group() before building the "
                                "optimizer, or each rank trains alone (set WORLD_SIZE=1 for a single process)")
         return 0, 1
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process_group given: "
-                         "build the optimizer on the ranks of that group only")
-    return rank, dist.get_world_size(process_group)
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
 def usable_timeout(timeout):
