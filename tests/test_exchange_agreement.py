@@ -2,7 +2,7 @@
 a bucket's size, dtype or schedule both raise ExchangeError naming the bucket, the peer and both sides
 (before, gloo aborted the receiving process, or fp16 met bf16 silently); agreed edges skip the handshake; a
 size changed on one rank only times out on both without a crash; GroupAllReduce's members that disagree on the
-dtype alone (fp16 / bf16) both raise, naming both sides; a construction refused on one rank raises
+dtype alone (fp16 / bf16) both raise, naming both sides; a construction refused on one rank (any exception type) raises
 on every rank and leaves the next exchanger in sync; 33 exchangers on one group keep their messages apart.
 """
 import time
@@ -28,6 +28,18 @@ def _construction(rank, world_size):
     for case, bad_rank, bad in [("bad timeout on rank 1", 1, dict(timeout=-1)),
                                 ("bad wire dtype on rank 0", 0, dict(wire_dtype=torch.int32))]:
         out[case] = _errors(lambda: Exchanger(**(bad if rank == bad_rank else dict(timeout=20))))
+    # A refusal of another exception type (here a stand-in LookupError from an argument check on rank 0) is told
+    # too: before, only ValueError/TypeError/RuntimeError were, and rank 1 timed out blaming a dead peer.
+    from decent_comm.exchange import exchanger as exchanger_module
+    check = exchanger_module._check_max_ctas
+
+    def odd_refusal(value):
+        raise LookupError("nccl_max_ctas: a stand-in refusal of another type")
+    exchanger_module._check_max_ctas = odd_refusal if rank == 0 else check
+    try:
+        out["LookupError on rank 0"] = _errors(lambda: Exchanger(timeout=20))
+    finally:
+        exchanger_module._check_max_ctas = check
     with Exchanger(timeout=20) as ex:
         x, r = payload(rank, 0, 4, 1000), torch.empty(1000)
         ex.exchange(4, x, [r], [peer], [peer])
@@ -47,6 +59,9 @@ def test_construction_refused_on_one_rank_raises_everywhere_and_desyncs_nothing(
             assert own in msg, (rank, case, msg)
             if rank != bad_rank:
                 assert f"rank {bad_rank} of the group refused its arguments" in msg, (rank, case, msg)
+        kind, msg = out["LookupError on rank 0"]
+        assert kind == ("LookupError" if rank == 0 else "ValueError"), (rank, kind, msg)
+        assert "stand-in refusal" in msg, (rank, msg)
 
 
 # What each rank gives bucket 3 (numel, dtype, wire_dtype, send_to, recv_from as "peer" / "none"), and the

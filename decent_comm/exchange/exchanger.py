@@ -186,7 +186,7 @@ class Exchanger(_C._Exchanger):
                 raise ValueError(refusal)
             if not use_nccl:  # local: its tag channel is claimed only once the exchanger is built
                 transport = _C._process_group_transport(group, device)
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal, of any type, is told to every rank before it is raised
             problem = exc
         namespace = _agree_on_arguments(group, problem, timeout_ms)
         if use_nccl:  # collective itself, so only once every rank is known to get here
