@@ -12,11 +12,13 @@ Refused before anything is written, with a message that starts ``decent_comm.<op
 - by the kernels' checks (C++), with a RuntimeError: wrong lengths, dtypes, devices, layouts or shifted/shared
   memory; a non-finite weight or hyper-parameter, or one that overflows the math dtype (float32 unless x is
   float64); lr, eps, momentum, weight_decay < 0; betas outside [0, 1) (also once rounded to float32); step < 1,
-  accum_steps < 1; a payload_block/block that is not a multiple of 4 in [4, 8192]; and, while autograd is
-  recording, any operand that requires grad (the ops have no derivative);
+  accum_steps < 1; a payload_block/block that is not a multiple of 4 in [4, 8192], a payload_offset < 0 (both
+  also without copies, where Python raises the kernels' RuntimeError for them); and, while autograd is recording,
+  any operand that requires grad (the ops have no derivative);
 - here, in Python, before the call, with a ValueError: step, accum_steps, payload_offset, payload_block or block
   that is not an integer or does not fit in int64 (step=1.5; step=0 is the kernels'); step=None without
-  state_step, or a step given with it; copies without payloads or payloads without copies.
+  state_step, or a step given with it; copies without payloads or payloads without copies; and any bad argument of
+  the pure-Python int8_payload_nbytes and int8_payload_views (a block the kernels refuse too).
 Float hyper-parameters and weights go through float() unchecked (a string float() parses is taken; None raises
 float's own TypeError): the optimizers check their options' types before they call the ops.
 Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept Parameters there;
@@ -73,6 +75,8 @@ MAX_PAYLOAD_ELEMENTS = 2 ** 31 - 1
 #: ``block``/``payload_block`` of these ops and the block decent_comm.optim.int8_wire encodes with, defined here
 #: alone. The kernels take any multiple of 4 in [4, 8192] (csrc/op_call.cpp); both ends of an edge must use one.
 INT8_BLOCK = 512
+#: The largest block the kernels take (csrc/kernels/int8_codec_math.h, kInt8MaxBlock).
+_INT8_MAX_BLOCK = 8192
 
 _INT64_MAX = 2 ** 63 - 1
 
@@ -91,6 +95,14 @@ def _int64(op: str, name: str, value) -> int:
     if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
         raise _refused(op, f"{name} must fit in int64 (at most 2**63 - 1), got {v}")
     return v
+
+
+def _block_problem(name: str, block: int):
+    """The kernels' refusal of block `block` (csrc: int8_ops.cpp, OpCall::set_payloads), or None: what Python checks
+    where no kernel sees the value, with the kernels' words."""
+    if not (4 <= block <= _INT8_MAX_BLOCK and block % 4 == 0):
+        return f"{name} must be a multiple of 4 in [4, {_INT8_MAX_BLOCK}] (int8_encode_'s block), got {block}"
+    return None
 
 
 def _step_args(op: str, step, state_step) -> int:
@@ -114,7 +126,14 @@ def _wire(op: str, copies, payloads, payload_offset, payload_block):
     if (copies is None) != (payloads is None):
         raise _refused(op, "pass copies and payloads together (one payload per copy), or neither")
     offset, block = _int64(op, "payload_offset", payload_offset), _int64(op, "payload_block", payload_block)
-    if copies is None:  # checked all the same: a bad value is a bug in the caller whether or not a wire is used
+    if copies is None:
+        # Checked all the same, a bad value being a bug in the caller whether or not a wire is used: with the
+        # kernels' RuntimeError and words (payload_block=3 or payload_offset=-1 passed silently without copies), so
+        # that copies= changes neither the outcome nor its type.
+        problem = _block_problem("payload_block", block) or (
+            f"payload_offset must be >= 0, got {offset}" if offset < 0 else None)
+        if problem:
+            raise RuntimeError(f"decent_comm.{op}: {problem}")
         return None, None, 0, INT8_BLOCK
     return list(copies), list(payloads), offset, block
 
@@ -227,14 +246,29 @@ def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int =
 
 def int8_payload_nbytes(numel: int, block: int = INT8_BLOCK) -> int:
     """Bytes of an int8_encode_ payload for `numel` elements: the levels padded to whole blocks, and a float32
-    scale per block."""
+    scale per block. `block` is refused (ValueError) as the kernels refuse it: block=0 divided by zero, 3 (which
+    the kernels refuse) and -1 gave a size."""
+    numel, block = _codec_block("int8_payload_nbytes", block, numel)
     blocks = -(-numel // block)
     return blocks * block + 4 * blocks
+
+
+def _codec_block(op: str, block, numel=0):
+    """(numel, block) as ints for the pure-Python codec helpers: numel >= 0, block one the kernels take."""
+    numel, block = _int64(op, "numel", numel), _int64(op, "block", block)
+    problem = f"numel must be >= 0, got {numel}" if numel < 0 else _block_problem("block", block)
+    if problem:
+        raise _refused(op, problem)
+    return numel, block
 
 
 def int8_payload_views(payload: torch.Tensor, block: int = INT8_BLOCK):
     """The (blocks, block) int8 levels and the (blocks,) float32 scales of an int8_encode_ payload, as views of it
     (the one place in Python that knows the layout)."""
+    _, block = _codec_block("int8_payload_views", block)
+    if not isinstance(payload, torch.Tensor):
+        raise _refused("int8_payload_views", f"payload must be a tensor (int8_encode_'s uint8 payload), got "
+                       f"{type(payload).__name__}")
     if payload.dim() != 1 or payload.dtype != torch.uint8 or payload.numel() % (block + 4):
         raise _refused("int8_payload_views", f"not an int8_encode_ payload of blocks of {block}: {payload.dtype} of "
                        f"shape {tuple(payload.shape)} (int8_payload_nbytes gives its size)")

@@ -31,11 +31,11 @@ def test_result_builds_the_optimizers():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(world_size=0), "world_size must be a positive integer"),
-    (dict(world_size=2.5), "world_size must be a positive integer"),
-    (dict(world_size=4, accum_steps=0), "accum_steps must be a positive integer"),
-    (dict(world_size=4, lr=-1.0), "lr must be a positive number"),
-    (dict(world_size=4, lr=float("nan")), "lr must be a positive number"),
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size=2.5), "world_size must be an integer >= 1"),
+    (dict(world_size=4, accum_steps=0), "accum_steps must be an integer >= 1"),
+    (dict(world_size=4, lr=-1.0), "lr must be a finite number > 0"),
+    (dict(world_size=4, lr=float("nan")), "lr must be a finite number > 0"),
     (dict(world_size=4, betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
 ])
 def test_bad_input_names_the_argument(kwargs, pattern):

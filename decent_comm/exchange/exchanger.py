@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._args import integer
 from .._native import _C
 from . import _closing, timeouts
 from .arrival import check_process_group, wait_for_ranks
@@ -68,9 +69,8 @@ def _check_wire_dtype(wire_dtype):
 
 
 def _check_max_ctas(nccl_max_ctas):
-    if nccl_max_ctas is not None and (isinstance(nccl_max_ctas, bool) or not isinstance(nccl_max_ctas, int)
-                                      or nccl_max_ctas < 1):
-        raise ValueError(f"Exchanger: nccl_max_ctas must be a positive int, got {nccl_max_ctas!r}")
+    if nccl_max_ctas is not None:  # np.int64 taken as an int (pybind11 converts it by __index__), a bool not
+        integer(nccl_max_ctas, "nccl_max_ctas", low=1, where="Exchanger")
 
 
 def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int) -> Optional[str]:

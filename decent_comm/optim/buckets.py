@@ -9,12 +9,12 @@ The buckets' step counts and the runs a fused kernel call spans: step_counts.py;
 counters (kernel writes autograd must see, user writes while a buffer is on the wire): param_versions.py.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._args import real
 from .flat_memory import flat_buffer
 from .shared_memory import check_no_shared_memory
 from .step_cache import StepCache
@@ -103,9 +103,7 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
     order) and moves it into the bucket's flat buffers. Parameter order is kept, so buckets follow the
     order in which a model's modules use them (model.parameters() order). `check` sees the layout (slots and
     sizes) before any buffer is allocated, so that what it refuses costs no memory."""
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
-            not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    bucket_cap_mb = real(bucket_cap_mb, "bucket_cap_mb", low=0, low_open=True)  # np.float32 and np.int64 too
     cap_bytes = int(bucket_cap_mb * 2**20)
     buckets: List[Bucket] = []
     seen = set()

@@ -1,6 +1,8 @@
 """Consensus-factor schedules for DSGD-AC (Wang & Johansson 2026, "Decentralized SGD with controlled
 disagreement finds flatter minima"): the mixing matrix W becomes (1 - a) I + a W."""
 
+from .._args import integer, real
+
 
 class AdaptiveConsensus:
     """a = 1 before `start_step`; afterwards a = min_factor + (1 - min_factor) * (lr_t / lr_peak)^p.
@@ -16,13 +18,10 @@ class AdaptiveConsensus:
     """
 
     def __init__(self, p: float = 3.0, start_step: int = 0, min_factor: float = 0.0):
-        if p < 0:
-            raise ValueError(f"p must be >= 0, got {p}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        if not 0.0 <= min_factor <= 1.0:
-            raise ValueError(f"min_factor must be in [0, 1], got {min_factor}")
-        self.p, self.start_step, self.min_factor = float(p), int(start_step), float(min_factor)
+        # NaN p passed the range check and failed mid-training; start_step=0.5 was truncated to 0
+        self.p = real(p, "p", low=0, where="AdaptiveConsensus")
+        self.start_step = integer(start_step, "start_step", low=0, where="AdaptiveConsensus")
+        self.min_factor = real(min_factor, "min_factor", 0, 1, where="AdaptiveConsensus")
         self.lr_peak = None
 
     def factor(self, step: int, lr: float) -> float:

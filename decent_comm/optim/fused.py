@@ -7,11 +7,13 @@ Without an initialized process group, or with world size 1, each matches its tor
 
 import collections
 import functools
+import numbers
 import re
 
 import torch
 
 from .. import ops
+from .._args import integer, is_bool
 from .base import DecentralizedMixin
 from .startup import refusal_told
 from .step_counts import grads_present
@@ -155,29 +157,40 @@ def _meta_bucket(dtype):
     return _MetaBucket(dtype)
 
 
-def _check_one_element(**values):
-    """torch.optim's ValueError("Tensor lr must be 1-element") for a tensor option of several elements, raised
-    before the option is compared: `0.0 <= lr` raised RuntimeError("Boolean value of Tensor with more than one value
-    is ambiguous"), which names no option. torch checks lr (and betas, too late) so; eps, weight_decay, momentum and
-    dampening fail the same way in torch, and are named here too."""
+def _check_scalars(**values):
+    """Each option a number torch.optim's arithmetic takes, named when it is not: a non-number (a string, which the
+    kernels' float() parsed: a typo'd "0.1" trained) is torch's TypeError; a bool, which torch refuses as weight decay
+    ("Boolean alpha") and the kernels took as 1.0, a ValueError (_args.is_bool: a bool is no number anywhere here).
+    A tensor option of several elements is torch.optim's ValueError("Tensor lr must be 1-element"), raised before the
+    option is compared: `0.0 <= lr` raised RuntimeError("Boolean value of Tensor with more than one value is
+    ambiguous"), which names no option. torch checks lr (and betas, too late) so; eps, weight_decay, momentum and
+    dampening fail the same way in torch, and are named here too. A meta tensor holds no value to read."""
     for name, value in values.items():
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"Tensor {name} must be 1-element")
+        if is_bool(value):
+            raise ValueError(f"{name} must be a number, got {value!r} (a bool is not a number here)")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"Tensor {name} must be 1-element")
+            if value.is_meta or value.is_complex():
+                raise ValueError(f"Tensor {name} must hold a real value, got one of dtype {value.dtype} on "
+                                 f"{value.device}")
+        elif not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float or a 1-element tensor, got {value!r} ({type(value).__name__})")
 
 
 def _check_group_tensors(group, where):
-    """_check_one_element for a param group's options (groups given as dicts, edited, or loaded), naming it."""
+    """_check_scalars for a param group's options (groups given as dicts, edited, or loaded), naming it."""
     names = ("lr", "eps", "weight_decay", "momentum", "dampening")
     values = {name: group[name] for name in names if name in group}
     values.update({f"betas[{i}]": b for i, b in enumerate(group.get("betas", ()))})
     try:
-        _check_one_element(**values)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        _check_scalars(**values)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: {e}") from None
 
 
 def _check_common(lr, weight_decay, eps=None, betas=None):
-    _check_one_element(lr=lr, weight_decay=weight_decay, eps=eps)
+    _check_scalars(lr=lr, weight_decay=weight_decay, **({} if eps is None else dict(eps=eps)))
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= weight_decay:
@@ -187,7 +200,7 @@ def _check_common(lr, weight_decay, eps=None, betas=None):
     if betas is not None:
         if len(betas) != 2:  # else a step failed to unpack them
             raise ValueError(f"betas must be a pair (beta1, beta2), got {tuple(betas)!r}")
-        _check_one_element(**{f"betas[{i}]": b for i, b in enumerate(betas)})
+        _check_scalars(**{f"betas[{i}]": b for i, b in enumerate(betas)})
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}")
@@ -202,7 +215,7 @@ class DSGD(_FusedGroupOptions, DecentralizedMixin, torch.optim.Optimizer):
                  foreach=None, differentiable=False, fused=None, **decentralized):
         with refusal_told(decentralized):
             _check_common(lr, weight_decay)
-            _check_one_element(momentum=momentum, dampening=dampening)
+            _check_scalars(momentum=momentum, dampening=dampening)
             if momentum < 0:
                 raise ValueError(f"Invalid momentum value: {momentum}")
             if nesterov and (momentum <= 0 or dampening != 0):
@@ -323,11 +336,10 @@ class AccumAdam(_AdamBase):
                  accum_steps=4, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  **decentralized):
         with refusal_told(decentralized):
-            if int(accum_steps) != accum_steps or accum_steps < 1:
-                raise ValueError(f"accum_steps must be a positive integer, got {accum_steps}")
+            accum_steps = integer(accum_steps, "accum_steps", low=1)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         _extra_defaults=dict(accum_steps=int(accum_steps)), **decentralized)
+                         _extra_defaults=dict(accum_steps=accum_steps), **decentralized)
 
     _STATE_NAMES = ("exp_avg", "exp_avg_sq", "accum")
 

@@ -18,6 +18,8 @@ mode land within 2% of the all-reduce AdamW run at equal steps (4 and 8 ranks); 
 import math
 from typing import Optional, Tuple
 
+from .._args import integer, is_real, real
+
 
 def decentralized_adam_hparams(lr: float, world_size: Optional[int] = None, betas: Tuple[float, float] = (0.9, 0.999),
                                accum_steps: int = 1) -> dict:
@@ -33,13 +35,11 @@ def decentralized_adam_hparams(lr: float, world_size: Optional[int] = None, beta
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("decentralized_adam_hparams: pass world_size, or initialize the default process group")
         world_size = dist.get_world_size()
-    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
-        raise ValueError(f"decentralized_adam_hparams: world_size must be a positive integer, got {world_size!r}")
-    if isinstance(accum_steps, bool) or int(accum_steps) != accum_steps or accum_steps < 1:
-        raise ValueError(f"decentralized_adam_hparams: accum_steps must be a positive integer, got {accum_steps!r}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"decentralized_adam_hparams: lr must be a positive number, got {lr!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"decentralized_adam_hparams: betas must be two numbers in [0, 1), got {betas!r}")
-    k = int(accum_steps)
+    where = "decentralized_adam_hparams"
+    world_size = integer(world_size, "world_size", low=1, where=where)
+    k = integer(accum_steps, "accum_steps", low=1, where=where)
+    lr = real(lr, "lr", low=0, low_open=True, where=where)
+    if (isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2
+            or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
     return {"lr": lr * math.sqrt(max(1.0, world_size / k)), "betas": (betas[0] ** k, betas[1] ** k)}

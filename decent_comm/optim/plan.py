@@ -3,13 +3,11 @@ factor, and whether the step runs as an all-reduce within averaging groups; and 
 reads (MixInputs). No tensor math, no communication.
 """
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 from .. import ops
+from .._args import integer
 from ..topology import Adaptive, Topology, averaging_groups
 from ..topology.analysis import MIN_ALLREDUCE_GROUP
 from ..topology.consensus import check_consensus_factor
@@ -105,10 +103,8 @@ class Cadence:
     delayed_mix: bool = False
 
     def __post_init__(self):
-        for name, low in (("gossip_every", 1), ("warmup_steps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, low in (("gossip_every", 1), ("warmup_steps", 0)):  # np.int64 taken, as a Python int
+            object.__setattr__(self, name, integer(getattr(self, name), name, low=low))
         if not isinstance(self.delayed_mix, bool):
             raise ValueError(f"delayed_mix must be True or False, got {self.delayed_mix!r}")
 
@@ -130,12 +126,7 @@ def consensus_factor(consensus, step: int, lr: float) -> float:
         a = consensus(step)
     else:
         a = consensus
-    # A string or a bool would pass through float() ("0.5", True -> 1.0): a typo'd config value would train.
-    if isinstance(a, (bool, str, bytes)) or not isinstance(a, (numbers.Real, torch.Tensor)) or (isinstance(
-            a, torch.Tensor) and (a.numel() != 1 or a.dtype == torch.bool or a.is_complex())):
-        raise ValueError(f"the consensus factor must be a number in [0, 1], got {a!r} ({type(a).__name__}) at step "
-                         f"{step}")
-    return check_consensus_factor(float(a), f" at step {step}")
+    return check_consensus_factor(a, f" at step {step}")
 
 
 def scan_groups(topology: Topology) -> Dict[int, List[Tuple[int, ...]]]:

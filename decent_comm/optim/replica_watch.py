@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .._args import integer
 from .agreement import announce
 from .buckets import adopt_storage
 
@@ -155,9 +156,7 @@ class ReplicaWatch:
         from the ``model`` given to the optimizer, else "group{g}.param{i}". One all-reduce of a float64 buffer
         of the parameters plus one scalar per tensor (about twice the fp32 model's bytes).
         """
-        if isinstance(every, bool) or int(every) != every or every < 1:
-            raise ValueError(f"every must be a positive integer, got {every!r}")
-        if self._schedule.t % int(every):
+        if self._schedule.t % integer(every, "every", low=1):
             return None
         self._announce("replica_variance()", [sum(len(b.slots) + b.flat.numel() for b in self._buckets)])
         self._schedule.synchronize()

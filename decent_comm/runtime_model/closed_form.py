@@ -105,6 +105,9 @@ def resolve_topology(topology, cluster):
     """A ``Topology`` for ``cluster`` from a name or a ``Topology`` (checked against the cluster)."""
     if isinstance(topology, str):
         return make_topology(_topology.canonical_name(topology), cluster.world_size, cluster.ranks_per_node)
+    if not isinstance(topology, _topology.Topology):  # None, a number, a matrix raised AttributeError
+        raise TypeError(f"topology must be a built-in name or a decent_comm.topology.Topology, got "
+                        f"{type(topology).__name__}")
     if topology.world_size != cluster.world_size or topology.local_world_size != cluster.ranks_per_node:
         raise ValueError(f"topology {topology.name!r} has world_size={topology.world_size},"
                          f" local_world_size={topology.local_world_size}; the cluster is"

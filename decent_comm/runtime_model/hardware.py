@@ -27,7 +27,8 @@ A transfer of ``b`` bytes over a link costs ``latency + b / bandwidth``
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from .._args import integer, real
 
 INTRA_SHARING = ("rank", "pair")
 #: The most ranks the model takes (2^18): its tables are numpy arrays of ranks x peers per step; planning
@@ -51,19 +52,17 @@ class ClusterConfig:
     def __post_init__(self):
         for name in ("nodes", "ranks_per_node"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, integer(v, name, low=1))  # np.int64 taken, as a Python int
         if self.nodes * self.ranks_per_node > MAX_WORLD_SIZE:
             raise ValueError(f"nodes x ranks_per_node = {self.nodes * self.ranks_per_node} ranks; the model takes at"
                              f" most {MAX_WORLD_SIZE}")
         for name in ("inter_bandwidth", "intra_bandwidth"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):  # inf allowed: an ideal link
-                raise ValueError(f"{name} must be > 0 bytes/s, got {v!r}")
+            # inf allowed: an ideal link; True is not 1 byte/s
+            object.__setattr__(self, name, real(v, f"{name} (bytes/s)", low=0, low_open=True, finite=False))
         for name in ("inter_latency", "intra_latency"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0 seconds, got {v!r}")
+            object.__setattr__(self, name, real(v, f"{name} (seconds)", low=0))
         if self.intra_sharing not in INTRA_SHARING:
             raise ValueError(f"intra_sharing must be one of {INTRA_SHARING}, got {self.intra_sharing!r}")
         if self.node_inter_bandwidths is not None:

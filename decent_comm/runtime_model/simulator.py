@@ -56,6 +56,7 @@ import dataclasses
 
 import numpy as np
 
+from .._args import integer
 from .allreduce import allreduce_cost
 from .closed_form import resolve_topology
 from .gossip import group_costs, workload_step_groups
@@ -226,11 +227,19 @@ def _plan_group_step(cluster, B: float, groups, buckets: int) -> _GroupPlan | No
     return _GroupPlan(gc.members, gc.starts, gc.cost, gc.sizes)
 
 
+def _steps(steps, warmup):
+    """(steps, warmup) as ints, warmup >= 0 and steps > warmup: a negative warmup gave a NaN step_std, and 2.5
+    steps failed inside numpy."""
+    steps, warmup = integer(steps, "steps", low=1), integer(warmup, "warmup", low=0)
+    if steps <= warmup:
+        raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
+    return steps, warmup
+
+
 def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, seed: int = 0) -> SimResult:
     """Simulate ``steps`` steps of gossip on ``topology`` (a built-in name or a ``Topology``, as ``predict``
     takes); see the module docstring."""
-    if steps <= warmup:
-        raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
+    steps, warmup = _steps(steps, warmup)
     n = cluster.world_size
     topology = resolve_topology(topology, cluster)
     rng = np.random.default_rng(seed)
@@ -284,8 +293,7 @@ def simulate(cluster, workload, topology, steps: int = 500, warmup: int = 50, se
 
 def simulate_allreduce(cluster, workload, steps: int = 500, warmup: int = 50, seed: int = 0) -> SimResult:
     """All-Reduce with a global barrier per step: ``max_i C_i(t) + exposed``."""
-    if steps <= warmup:
-        raise ValueError(f"steps ({steps}) must exceed warmup ({warmup})")
+    steps, warmup = _steps(steps, warmup)
     rng = np.random.default_rng(seed)
     n = cluster.world_size
     C = workload.compute.draw(rng, (steps, n)).max(axis=1)[warmup:]

@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from .._args import real
 from ..topology.analysis import MIN_ALLREDUCE_GROUP
 from .stragglers import expected_max_normal, expected_max_sample
 
@@ -112,19 +113,16 @@ class Workload:
     param_bytes: float = 4
 
     def __post_init__(self):
-        if not (math.isfinite(self.params) and self.params >= 0):
-            raise ValueError(f"params must be >= 0, got {self.params!r}")
+        real(self.params, "params", low=0)  # validated, kept as given (a bool or a string is no count)
         if not isinstance(self.compute, ComputeTime):  # a bare number failed later, inside predict()
             raise TypeError(f"compute must be a ComputeTime (e.g. ComputeTime({self.compute!r}) for a fixed "
                             f"{self.compute!r} s per step), got {type(self.compute).__name__}")
-        if self.bytes_per_param <= 0:
-            raise ValueError(f"bytes_per_param must be > 0, got {self.bytes_per_param!r}")
+        real(self.bytes_per_param, "bytes_per_param", low=0, low_open=True)  # inf, NaN failed in predict()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
-        if not self.bucket_bytes > 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
+        real(self.bucket_bytes, "bucket_bytes", low=0, low_open=True, finite=False)  # inf: one bucket
         if self.param_bytes not in (2, 4, 8):
             raise ValueError(f"param_bytes must be 2 (bf16/fp16), 4 (fp32) or 8 (fp64), got {self.param_bytes!r}")
 

@@ -20,6 +20,7 @@ import hashlib
 
 import numpy as np
 
+from .._args import integer
 from .connectivity import check_averages
 from .validation import (TOL, check_matrix, check_peers_step, check_world_size, drop_roundoff,
                          resolve_local_world_size)
@@ -122,6 +123,7 @@ class Topology:
         return getattr(type(self), method) is not getattr(Topology, method)
 
     def _check_rank(self, rank: int) -> None:
+        integer(rank, "rank")  # 0.5 passed the range check and gave fractional neighbour ranks
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
 

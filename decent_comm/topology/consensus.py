@@ -10,22 +10,27 @@ from ``W``; for ``a < 1`` every self weight is positive.
 """
 from __future__ import annotations
 
+from .._args import describe, is_real
 from .base import Peers, Topology
 
 
-def check_consensus_factor(a: float, context: str = "") -> float:
-    """``a`` if it lies in [0, 1], else a ValueError (NaN too) saying so, ``context`` (e.g. " at step 5") after it:
-    the range check of every consensus factor, a topology's and the optimizer's per step."""
-    if not 0.0 <= a <= 1.0:  # False for NaN
-        raise ValueError(f"the consensus factor must be in [0, 1], got {a!r}{context}")
-    return a
+def check_consensus_factor(a, context: str = "") -> float:
+    """``a`` as a float if it is a number (a real tensor of one element too) in [0, 1], else a ValueError (NaN too)
+    saying so, ``context`` (e.g. " at step 5") after it: the check of every consensus factor, ``with_consensus``'s
+    and the optimizer's per step, so that neither takes what the other refuses. A bool is no factor (True would be
+    1.0), nor a string (float("0.5") would let a typo'd config value train)."""
+    if not is_real(a, tensor=True):
+        raise ValueError(f"the consensus factor must be a number in [0, 1], got {describe(a)}{context}")
+    if not 0.0 <= float(a) <= 1.0:  # False for NaN
+        raise ValueError(f"the consensus factor must be in [0, 1], got {float(a)!r}{context}")
+    return float(a)
 
 
 class ConsensusTopology(Topology):
     """``base`` mixed with the identity: ``W = (1 - a) I + a W_base``."""
 
     def __init__(self, base: Topology, a: float):
-        a = check_consensus_factor(float(a))
+        a = check_consensus_factor(a)
         super().__init__(base.world_size, period=base.period, local_world_size=base.local_world_size,
                          name=f"{base.name}+consensus({a:g})", allow_biased=base.allow_biased,
                          allow_disconnected=base.allow_disconnected or a == 0.0)

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Callable, Optional
 
+from .._args import integer
 from .noise import noise_model
 
 if TYPE_CHECKING:
@@ -91,6 +92,18 @@ class Policy:
         return f"{type(self).__qualname__}(interval={self.interval}, needs_stats={self.needs_stats}, {attrs})"
 
 
+def _pair(value, name, form):
+    """A phase given as a pair `form`, else a ValueError naming the phase (indexing it raised IndexError)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        who = "each phase" if name is None else f"phase {name!r}"
+        raise ValueError(f"PhaseSchedule: {who} must be a pair {form}, got {value!r}")
+    return value
+
+
+def _start(name, value, what="start"):
+    return integer(value, f"the {what} step of phase {name!r}", low=0, where="PhaseSchedule")
+
+
 class PhaseSchedule(Policy):
     """Candidate by step range (e.g. dense early, sparse later). ``phases`` is either a list of
     ``(name, start)`` pairs (each phase lasts until the next one starts; the first must start at 0) or a
@@ -110,20 +123,25 @@ class PhaseSchedule(Policy):
     @staticmethod
     def _normalize(phases):
         if isinstance(phases, dict):
-            ranges = sorted(((int(r[0]), r[1], name) for name, r in phases.items()), key=lambda x: x[0])
+            ranges = sorted(((_start(name, _pair(r, name, "(start, stop)")[0]), r[1], name)
+                             for name, r in phases.items()), key=lambda x: x[0])
             out = []
             for k, (start, stop, name) in enumerate(ranges):
                 nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
                 if stop is None and nxt is not None:
                     raise ValueError(f"phase {name!r} is open-ended (stop=None) but phase {ranges[k + 1][2]!r} "
                                      f"starts at step {nxt}")
-                if stop is not None and (nxt is None or int(stop) != nxt):
+                if stop is not None and (nxt is None or _start(name, stop, "stop") != nxt):
                     what = "the last phase must be open-ended (stop=None)" if nxt is None else \
                         f"it stops at {stop} but the next phase starts at {nxt}"
                     raise ValueError(f"phase {name!r}: step ranges must be contiguous: {what}")
                 out.append((name, start))
         else:
-            out = [(p[0], int(p[1])) for p in phases]
+            # a string's characters were taken as phases (IndexError)
+            if isinstance(phases, (str, bytes)) or not hasattr(phases, "__iter__"):
+                raise ValueError(f"PhaseSchedule: phases must be a list of (name, start) pairs or a dict "
+                                 f"{{name: (start, stop)}}, got {phases!r}")
+            out = [(p[0], _start(p[0], p[1])) for p in (_pair(p, None, "(name, start)") for p in phases)]
         if not out:
             raise ValueError("PhaseSchedule needs at least one phase")
         if out[0][1] != 0:
@@ -202,10 +220,9 @@ class ConsensusControl(Policy):
             raise ValueError(f"kappa must be > 0, got {kappa}")
         if not 0 < low < high:
             raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
-        if int(interval) != interval or interval < 1:
-            raise ValueError(f"interval must be a positive integer, got {interval}")
-        self.kappa, self.low, self.high, self.interval = float(kappa), float(low), float(high), int(interval)
-        self.min_dwell = 2 * self.interval if min_dwell is None else int(min_dwell)
+        self.kappa, self.low, self.high = float(kappa), float(low), float(high)
+        self.interval = integer(interval, "interval", low=1)  # inf raised OverflowError, 2.5 was truncated
+        self.min_dwell = 2 * self.interval if min_dwell is None else integer(min_dwell, "min_dwell", low=0)
         if not 0.0 <= correlation < 1.0:
             raise ValueError(f"correlation must be in [0, 1), got {correlation}")
         self.correlation = float(correlation)
