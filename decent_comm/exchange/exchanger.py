@@ -68,9 +68,11 @@ def _check_wire_dtype(wire_dtype):
                          f"{wire_dtype!r}")
 
 
-def _check_max_ctas(nccl_max_ctas):
-    if nccl_max_ctas is not None:  # np.int64 taken as an int (pybind11 converts it by __index__), a bool not
-        integer(nccl_max_ctas, "nccl_max_ctas", low=1, where="Exchanger")
+def _check_max_ctas(nccl_max_ctas) -> Optional[int]:
+    """nccl_max_ctas as a Python int (an np.int64 taken, a bool not), for the C++ transport's int argument."""
+    if nccl_max_ctas is None:
+        return None
+    return integer(nccl_max_ctas, "nccl_max_ctas", low=1, where="Exchanger")
 
 
 def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int) -> Optional[str]:
@@ -175,7 +177,7 @@ class Exchanger(_C._Exchanger):
             device = _resolve_device(device, group)
             timeout_ms = timeouts.timeout_ms(timeouts.timeout_seconds(timeout, "Exchanger: "))
             _check_wire_dtype(wire_dtype)
-            _check_max_ctas(nccl_max_ctas)
+            nccl_max_ctas = _check_max_ctas(nccl_max_ctas)
             use_nccl = device.type == "cuda" and nccl_available()
             if _allow_self_exchange and not use_nccl:
                 raise ValueError("Exchanger: _allow_self_exchange needs the NCCL transport (a CUDA device and an "
