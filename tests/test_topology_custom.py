@@ -38,6 +38,10 @@ def test_from_matrix_inputs_that_cannot_be_weights_are_named():
     with pytest.raises(ValueError, match="cannot read as numbers"):
         T.from_matrix({"W": third})
     assert T.from_matrix(np.array([third, third], dtype=object)).period == 2
+    # a bool (or integer) matrix has no rounding that float64 would cure: its sums are named, without that hint
+    with pytest.raises(ValueError, match="row 0: row sums to 2, not 1") as told:
+        T.from_matrix(np.ones((2, 2), dtype=bool))
+    assert "float64" not in str(told.value)
 
 
 def test_from_networkx():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..topology.validation import TOL
 from .loads import schedule_of
 
 
@@ -70,5 +71,5 @@ def sparse_gap_per_step(topology, probes: int = 2, tol: float = 1e-9) -> float |
         if np.abs(y - x.mean(axis=0)).max() > tol * np.abs(x).max():
             return None
         rho = 0.0
-    rho = 0.0 if rho < 1e-12 else 1.0 if abs(rho - 1.0) < 1e-12 else rho  # as spectral_gap rounds
+    rho = 0.0 if rho < TOL else 1.0 if abs(rho - 1.0) < TOL else rho  # as spectral_gap rounds (validation.TOL)
     return 1.0 - rho ** (1.0 / T)

@@ -32,7 +32,9 @@ class Peers:
 
     ``self_weight``: ``W_ii``.  ``recv``: ``[(j, W_ij), ...]`` for ``j != i``
     with ``W_ij > 0``, sorted by ``j``.  ``send``: sorted ranks ``k != i``
-    with ``W_ki > 0`` (the ranks that need this rank's buffer).
+    with ``W_ki > 0`` (the ranks that need this rank's buffer).  Every listed
+    rank is a message: ``validate()`` accepts a weight of 0 or round-off below it
+    (``validation.TOL``) but does not drop its message.
     """
 
     self_weight: float

@@ -61,12 +61,11 @@ def _complex(W) -> bool:
 
 
 def _low_precision(W):
-    """The dtype of `W` (or of its first matrix) when it is a floating dtype narrower than float64, else None."""
+    """The dtype of `W` (or of its first matrix) when it is a floating dtype narrower than float64, else None (a bool
+    or integer matrix has no rounding for float64 to cure)."""
     first = W[0] if isinstance(W, (list, tuple)) and W else W
-    dtype = getattr(first, "dtype", None)
-    if dtype is None or str(dtype).replace("torch.", "") in ("float64", "object") or "int" in str(dtype):
-        return None
-    return str(dtype).replace("torch.", "")
+    name = str(getattr(first, "dtype", "")).replace("torch.", "")
+    return name if name in ("float32", "float16", "bfloat16", "half") else None
 
 
 def from_matrix(W, *, allow_biased: bool = False, allow_disconnected: bool = False,

@@ -30,7 +30,8 @@ _BUILTINS = {
 NAMES = tuple(_BUILTINS)
 
 #: ``make`` runs ``validate()`` on a built-in when ``world_size <= 256`` and
-#: ``world_size * degree <= 16384`` (cost O(period * n * degree); larger
+#: ``world_size * degree <= 16384``, degree being rank 0's at step 0 (an estimate: aer-pair's
+#: largest is up to twice it) (cost O(period * n * degree); larger
 #: schedules are left lazy so construction stays O(1)).
 VALIDATE_MAX_WORLD_SIZE = 256
 VALIDATE_MAX_WORK = 16384

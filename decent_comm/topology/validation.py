@@ -24,7 +24,10 @@ import numpy as np
 #:
 #: * a weight in ``[-TOL, 0)`` is round-off of 0 and accepted; ``check_matrix`` (hence
 #:   ``from_matrix``) and the peers derived from ``matrix()`` set such an entry to exactly 0,
-#:   so it creates no message.  A weight below ``-TOL`` is refused as negative.
+#:   so it creates no message.  A weight below ``-TOL`` is refused as negative.  A ``peers()``
+#:   row is taken as written: a neighbour it lists with weight 0 or round-off below it is
+#:   accepted and is still a message (and counts in ``comm_cost``'s degree): list only
+#:   neighbours of positive weight.
 #: * row and column sums must be within ``TOL`` of 1;
 #: * ``peers()`` and ``matrix()`` of one topology must agree within ``TOL``;
 #: * analysis: a contraction factor within ``TOL`` of 0 or 1 is reported as 0 or 1,
