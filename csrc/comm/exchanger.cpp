@@ -26,6 +26,36 @@ std::ostream& operator<<(std::ostream& os, const Where& w) {
 
 Where where(const char* call, int64_t bucket) { return Where{call, bucket}; }
 
+// "send" or "recvs[i] (from rank r)", formatted only into a failing check's message.
+struct Buffer {
+  int64_t index;  // -1: send
+  int64_t peer;
+};
+
+std::ostream& operator<<(std::ostream& os, const Buffer& b) {
+  if (b.index < 0) return os << "send";
+  return os << "recvs[" << b.index << "] (from rank " << b.peer << ")";
+}
+
+// Every transport moves a buffer's raw memory, so it must hold exactly the values the tensor reads as. A tensor
+// with the conjugate or negative bit set reads its memory conjugated or negated (z.conj(), z.conj().imag,
+// torch._neg_view): sent as is, the peer got z instead of conj(z) and [1, 2] instead of [-1, -2]; received into,
+// the values read back conjugated. A sparse or other non-strided tensor has no such flat memory at all.
+void check_plain(const Where& at, const at::Tensor& t, const Buffer& name) {
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, at, name, " has layout ", t.layout(), ", not torch.strided: the "
+                    "exchanger moves dense tensors only", name.index < 0 ? " (pass send.to_dense())" : "");
+  TORCH_CHECK_VALUE(t.has_storage(), at, name, " has no storage (a wrapper tensor subclass?): the exchanger "
+                    "moves a tensor's own memory");
+  TORCH_CHECK_VALUE(!t.is_conj(), at, name, " has its conjugate bit set (a lazy .conj() view): its memory holds "
+                    "the unconjugated values, which is what the transport would move; ",
+                    name.index < 0 ? "send .resolve_conj() (or .clone()) instead"
+                                   : "receive into a tensor without the bit (.resolve_conj() or .clone() of it)");
+  TORCH_CHECK_VALUE(!t.is_neg(), at, name, " has its negative bit set (a lazy negated view, e.g. z.conj().imag): "
+                    "its memory holds the values without their sign, which is what the transport would move; ",
+                    name.index < 0 ? "send .resolve_neg() (or .clone()) instead"
+                                   : "receive into a tensor without the bit (.resolve_neg() or .clone() of it)");
+}
+
 }  // namespace
 
 Exchanger::Exchanger(std::shared_ptr<Transport> transport, int64_t timeout_ms,
@@ -109,6 +139,7 @@ at::ScalarType Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& 
   TORCH_CHECK_VALUE(send.defined(), at, "send is undefined");
   TORCH_CHECK_VALUE(send.device() == device, at, "send is on ", send.device(), " but this exchanger moves ",
                     device, " buffers");
+  check_plain(at, send, Buffer{-1, -1});
   TORCH_CHECK_VALUE(send.is_contiguous(), at, "send must be contiguous");
   at::ScalarType wire = send.scalar_type();
   if (wire_dtype_.has_value() && *wire_dtype_ != wire) {
@@ -121,6 +152,7 @@ at::ScalarType Exchanger::check_exchange_args(int64_t bucket, const at::Tensor& 
     TORCH_CHECK_VALUE(r.defined(), at, "recvs[", i, "] (from rank ", recv_from[i], ") is undefined");
     TORCH_CHECK_VALUE(r.device() == device, at, "recvs[", i, "] (from rank ", recv_from[i], ") is on ", r.device(),
                       " but this exchanger moves ", device, " buffers");
+    check_plain(at, r, Buffer{int64_t(i), recv_from[i]});
     TORCH_CHECK_VALUE(r.is_contiguous(), at, "recvs[", i, "] (from rank ", recv_from[i], ") must be contiguous");
     TORCH_CHECK_VALUE(r.scalar_type() == wire, at, "recvs[", i, "] (from rank ", recv_from[i], ") has dtype ",
                       r.scalar_type(), " but the wire dtype is ", wire,
@@ -177,6 +209,8 @@ void Exchanger::exchange(int64_t bucket, const at::Tensor& send, const std::vect
     if (!b.slot) b.slot = transport_->make_slot();
     const at::Tensor& wire = wire_buffer(b, send, send_to.empty());
     const BucketOp op{bucket, send, wire, recvs, send_to, recv_from, Clock::now() + timeout_, timeout_};
+    // Before anything is posted: from here the backend may touch this memory (a failed start keeps it held).
+    b.held.hold(send, recvs, recv_from);
     guarded([&] { transport_->start(*b.slot, op); });
     const int64_t wire_bytes = wire.defined() ? wire.nbytes() : send.nbytes();
     bytes_sent_ += wire_bytes * int64_t(send_to.size());
@@ -185,9 +219,16 @@ void Exchanger::exchange(int64_t bucket, const at::Tensor& send, const std::vect
   b.seq = next_seq_++;
 }
 
-void Exchanger::wait_locked(Bucket& b) {
-  if (b.has_transfer) guarded([&] { transport_->wait(*b.slot); });
+std::string Exchanger::wait_locked(int64_t bucket, Bucket& b, const char* call) {
+  std::string changed;
+  if (b.has_transfer) {
+    guarded([&] { transport_->wait(*b.slot); });  // on failure `held` stays: the transfer may still touch it
+    // A local misuse, not a transfer failure: the peers completed, so the exchanger stays usable.
+    changed = b.held.changed(call, bucket);
+    b.held.release();
+  }
   b.in_flight = false;
+  return changed;
 }
 
 void Exchanger::wait(int64_t bucket) {
@@ -199,7 +240,8 @@ void Exchanger::wait(int64_t bucket) {
               " (it was never exchanged)");
   Bucket& b = it->second;
   if (b.in_flight) {
-    wait_locked(b);
+    const std::string changed = wait_locked(bucket, b, "wait");
+    TORCH_CHECK(changed.empty(), changed);
   } else if (b.has_transfer) {
     // Already completed (an earlier wait, wait_all or synchronize): waiting again is harmless and orders
     // the caller's current stream after the transfer once more (it may be another stream than last time).
@@ -207,28 +249,36 @@ void Exchanger::wait(int64_t bucket) {
   }
 }
 
-void Exchanger::wait_all_locked() {
+std::string Exchanger::wait_all_locked(const char* call) {
   std::vector<std::pair<uint64_t, int64_t>> order;
   for (const auto& [id, b] : buckets_) {
     if (b.in_flight) order.emplace_back(b.seq, id);
   }
   std::sort(order.begin(), order.end());
-  for (const auto& [seq, id] : order) wait_locked(buckets_.at(id));
+  // Every bucket is waited for even after one reports a changed buffer, so none is left in flight.
+  std::string first;
+  for (const auto& [seq, id] : order) {
+    std::string changed = wait_locked(id, buckets_.at(id), call);
+    if (first.empty()) first = std::move(changed);
+  }
+  return first;
 }
 
 void Exchanger::wait_all() {
   std::lock_guard<std::mutex> lock(mu_);
   ensure_usable("wait_all");
   guarded([&] { transport_->check(); });
-  wait_all_locked();
+  const std::string changed = wait_all_locked("wait_all");
+  TORCH_CHECK(changed.empty(), changed);
 }
 
 void Exchanger::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
   ensure_usable("synchronize");
   guarded([&] { transport_->check(); });
-  wait_all_locked();
+  const std::string changed = wait_all_locked("synchronize");
   guarded([&] { transport_->synchronize(); });
+  TORCH_CHECK(changed.empty(), changed);
 }
 
 void Exchanger::shutdown() {
@@ -239,10 +289,11 @@ void Exchanger::shutdown() {
     state_ = State::Closed;
     return;
   }
+  std::string changed;
   try {
     guarded([&] {
       transport_->check();
-      wait_all_locked();
+      changed = wait_all_locked("shutdown");
       transport_->synchronize();
       transport_->shutdown();
     });
@@ -251,6 +302,8 @@ void Exchanger::shutdown() {
     throw;
   }
   state_ = State::Closed;
+  // Closed all the same (every transfer completed); the misuse is raised rather than dropped.
+  TORCH_CHECK(changed.empty(), changed);
 }
 
 int64_t Exchanger::bytes_sent() const {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "handshake.h"
+#include "in_flight_buffers.h"
 #include "transport.h"
 
 #pragma GCC visibility push(hidden)  // see transport.h
@@ -43,7 +44,8 @@ class Exchanger {
   // Enqueues bucket `bucket`: `send` to every rank of send_to, recvs[i] from recv_from[i]. Returns at once,
   // except when an edge of this exchange has not agreed this size and wire dtype yet (a bucket's first
   // exchanges, a new peer, a new size): then it first blocks until those peers reached the same exchange.
-  // `send` must not be modified and `recvs` not read until wait(bucket).
+  // `send` must not be modified and `recvs` not read until wait(bucket); neither may be resized or re-pointed
+  // (in_flight_buffers.h: a resize_ that would reallocate raises, wait() raises RuntimeError for one that did not).
   void exchange(int64_t bucket, const at::Tensor& send, const std::vector<at::Tensor>& recvs,
                 const std::vector<int64_t>& send_to, const std::vector<int64_t>& recv_from);
   // See Transport::wait: CPU blocks, CUDA makes the current stream wait. Waiting again for a bucket that
@@ -74,6 +76,7 @@ class Exchanger {
     bool has_transfer = false;  // false for an exchange with no peer or no bytes: wait() has nothing to do
     uint64_t seq = 0;           // issue order, for wait_all()
     BucketAgreement agreement;  // the (peer, direction) edges that agreed its size and wire dtype
+    InFlightBuffers held;       // the caller's buffers of the transfer in flight (has_transfer), until waited
   };
   enum class State { Open, Failed, Closed };
 
@@ -84,8 +87,11 @@ class Exchanger {
   void check_peer_list(int64_t bucket, const char* what, const std::vector<int64_t>& ranks) const;
   // The bucket's persistent wire-dtype send buffer, or an undefined tensor when `send` goes as is.
   const at::Tensor& wire_buffer(Bucket& b, const at::Tensor& send, bool receive_only);
-  void wait_locked(Bucket& b);
-  void wait_all_locked();
+  // Completes the bucket's transfer; returns what wait() must raise because the caller resized or re-pointed one of
+  // its buffers while in flight ("" if nothing). The bucket is waited for either way (its transfer completed).
+  std::string wait_locked(int64_t bucket, Bucket& b, const char* call);
+  // wait_locked() on every bucket in flight, in issue order; returns the first such problem.
+  std::string wait_all_locked(const char* call);
   // Runs a transport call; on any exception records it as the fatal error, aborts the transport, rethrows.
   template <class F>
   void guarded(F&& f);

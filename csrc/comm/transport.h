@@ -32,7 +32,9 @@ constexpr int64_t kHeaderWords = 6;
 // A transport's per-bucket state (Work handles, CUDA events, the tensors kept alive while in flight).
 // Created once per bucket id and reused every step, so the steady state allocates nothing here.
 // A slot destroyed while its transfer may still touch memory keeps that memory alive forever
-// (see keep_alive_forever) rather than free it under the transport.
+// (see keep_alive_forever) rather than free it under the transport. The scheduler holds the caller's buffers'
+// storages too, non-resizable, from before start() until wait() (in_flight_buffers.h): a Tensor kept alive does
+// not keep its memory if the caller resizes or re-points it, so a slot's tensors alone are not enough.
 struct TransportSlot {
   virtual ~TransportSlot() = default;
 };
