@@ -1,10 +1,12 @@
 """The step-agreement check before the optimizer's whole-group all-reduces: every rank confirms that every rank is
 about to run the same ones after the same number of optimizer steps (``announce``), and raises an error naming the
-ranks that are not (uneven step() calls, closure evaluations, collective utilities called alone)."""
+ranks that are not (uneven step() calls, closure evaluations, collective utilities called alone); and the same
+check at the first step after building the optimizer or loading a state_dict (``agree_on_step``), where the ranks'
+schedules may stand at different steps with no whole-group all-reduce to come."""
 
 from typing import Dict, List, Optional
 
-from ..exchange import CollectiveMismatch, ranks_text
+from ..exchange import CollectiveMismatch, in_global_ranks, ranks_text
 
 
 def announce(all_reduce, what: str, step: int, sizes: List[int], evaluation: Optional[int] = None) -> None:
@@ -36,14 +38,20 @@ def announce(all_reduce, what: str, step: int, sizes: List[int], evaluation: Opt
             seen = "; ".join(f"{ranks_text(rs)}: {c} steps" for c, rs in sorted(by_count.items(), reverse=True))
             problem = f"the ranks have taken different numbers of optimizer steps ({seen})"
         else:
-            same_call = len(known) == len(sides) and len({(v[0], v[1]) for v in known}) == 1
-            seen = "; ".join(f"rank {r}: " + (f"{v[0]} after {v[1]} steps" if v is not None else "(unknown)")
-                             + (f" ({v[2]} tensors, {v[3]} elements)" if same_call else "") for r, v in sides.items())
-            problem = f"the ranks are not running the same whole-group all-reduce ({seen})"
+            problem = _other_calls(sides)
         raise RuntimeError(f"decent_comm: {what}: {problem}. Every rank must call step() equally often (e.g. drop an "
                            "uneven last batch on every rank), use a GradScaler on every rank or on none, and call the "
                            "collective utilities together; gossip between ranks at different steps mixes neighbours' "
                            "parameters of other steps") from e
+
+
+def _other_calls(sides) -> str:
+    """The error's words when the ranks of a mismatch (CollectiveMismatch.sides) were about to make other calls."""
+    known = [v for v in sides.values() if v is not None]
+    same_call = len(known) == len(sides) and len({(v[0], v[1]) for v in known}) == 1
+    seen = "; ".join(f"rank {r}: " + (f"{v[0]} after {v[1]} steps" if v is not None else "(unknown)")
+                     + (f" ({v[2]} tensors, {v[3]} elements)" if same_call else "") for r, v in sides.items())
+    return f"the ranks are not running the same whole-group all-reduce ({seen})"
 
 
 def _uneven_evaluations(sides) -> str:
@@ -69,3 +77,29 @@ def _uneven_evaluations(sides) -> str:
             "earlier on one rank. Make the number of evaluations the same on every rank (LBFGS: line_search_fn=None "
             "and tolerance_change=0, so that max_iter, max_eval and the averaged gradient decide it), or use "
             "warmup_steps=0 with such an optimizer (warming up first, if wanted, with another optimizer wrapped)")
+
+
+#: What agree_on_step announces (the same words on every rank: the step is the label that must agree)
+AGREE_STEP = "step(): agreeing with the other ranks on where the gossip schedule stands"
+
+
+def agree_on_step(all_reduce, step: int, loaded: bool) -> None:
+    """At a rank's first step after it built the optimizer or loaded a state_dict (`loaded`): returns when every rank
+    of the group is at schedule step `step` too, else raises RuntimeError on every rank naming each rank's step and
+    whether it loaded a state_dict. One all-reduce (BoundedAllReduce.agree); nothing of the step has run."""
+    try:
+        all_reduce.agree(AGREE_STEP, step, [], sub=int(loaded))
+    except CollectiveMismatch as e:
+        sides = e.sides
+        if not all(v is None or v[0] == AGREE_STEP for v in sides.values()):  # another call on some rank
+            raise in_global_ranks(RuntimeError(f"decent_comm: {AGREE_STEP}: {_other_calls(sides)}. Every rank must "
+                                               "call step() equally often and the collective utilities together, and "
+                                               "step its optimizers in the same order"), all_reduce.group) from e
+        seen = "; ".join(f"rank {r}: " + ("(unknown)" if v is None else f"step {v[1]}, " + (
+            "after load_state_dict" if len(v) > 4 and v[4] else "no state_dict loaded")) for r, v in sides.items())
+        raise in_global_ranks(RuntimeError(
+            f"decent_comm: {AGREE_STEP}: the ranks' gossip schedules stand at different steps ({seen}), so each would "
+            "mix its neighbours' parameters of other steps. Every rank must resume from its own checkpoint of the same "
+            "step (a save that did not finish on every rank, or a wrong path, leaves them apart; so does a refused "
+            "load that one rank caught and went on from). Nothing was stepped; load matching checkpoints on every "
+            "rank (or build every optimizer afresh) and step again"), all_reduce.group) from e

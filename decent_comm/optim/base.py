@@ -199,20 +199,17 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._schedule.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # as torch.optim does
-            raise RuntimeError(f"decent_comm: {type(self).__name__}.step() during CUDA graph capture: the step keeps "
-                               "its counts and its gossip schedule on the host, which a replay would not advance. "
-                               "Capture the forward and backward only (or the fused ops, decent_comm.ops).")
+        self._schedule.check_running(f"{type(self).__name__}.step()")  # CUDA graph capture, after shutdown()
         if self._watching_forwards:  # a wrap made before the optimizer would have shown in a forward by now
             self._ddp_guard.remove()
             self._watching_forwards = False
         check_param_groups(self.param_groups, self._groups_built)
         self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
-        self._schedule.check_running()
         if closure is None and self._is_state_initialization():
             self._initialize_state()
             self._note_state()
             return None
+        self._schedule.agree_position()  # the first step after construction or load_state_dict: the same on all ranks
         self._adopt_state_edits()
         check_unwritten(self._buckets)
         loss, self._closure_loss = None, None

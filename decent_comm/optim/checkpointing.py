@@ -1,7 +1,8 @@
 """state_dict and load_state_dict of the decentralized optimizers, mixed into DecentralizedMixin: torch.optim's
 format (per-parameter state, views of the flat buffers, and param groups), with where the gossip schedule stands in
 param group 0 and, for an exact resume, a delayed round's correction and the 8-bit wire's public copies as
-per-parameter state. A state_dict that cannot load is refused before anything is loaded.
+per-parameter state. A state_dict that cannot load is refused before anything is loaded, and a load that raises
+once it writes puts the optimizer back as it was (load_rollback.py).
 """
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from . import state_dict_hooks
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
+from .load_rollback import LoadRollback
 from .schedule import CORRECTION
 from .schedule_state import check_schedule_state
 from .state_views import (StateLayout, drop_named_state, gather_named_state, param_states, publish_named_state,
@@ -70,15 +72,16 @@ class StateDictMixin:
         saved_ids = [k for g in state_dict["param_groups"] for k in g["params"]]
         return dict(zip(saved_ids, self._param_list()))
 
-    def _load_optimizer_state_dict(self, state_dict: dict):
-        param_of = self._saved_param_of(state_dict)
-        saved_state, others = split_saved_state(state_dict.get("state", {}), param_of)
-        layout = self._state_layout()
-        # raises before anything is loaded
-        loaded = read_state(self._buckets, saved_state, param_of, layout, foreign_value=_cast_like_torch)
+    def _read_optimizer_state(self, saved_state: dict, param_of: dict):
+        """The checking half of loading the parameters' state (state_views.read_state): ValueError for what cannot
+        load, nothing written; what it returns _write_optimizer_state writes."""
+        return read_state(self._buckets, saved_state, param_of, self._state_layout(), foreign_value=_cast_like_torch)
+
+    def _write_optimizer_state(self, state_dict: dict, loaded, param_of: dict):
+        _, others = split_saved_state(state_dict.get("state", {}), param_of)
         with state_dict_hooks.suspended(self):  # torch keeps the keys that name no parameter as they are
             super().load_state_dict({"state": others, "param_groups": state_dict["param_groups"]})
-        write_state(self._buckets, loaded, self.state, layout)
+        write_state(self._buckets, loaded, self.state, self._state_layout())
         # opt.state (and so the next state_dict()) in the saved order, as torch's load builds it: write_state put the
         # parameters' entries after the others
         for saved_key in state_dict.get("state", {}):
@@ -121,26 +124,30 @@ class StateDictMixin:
         extra = state_dict.pop(SCHEDULE_KEY, None)
         extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra
         state_dict["param_groups"] = groups
-        # before anything is loaded:
+        # Everything that can refuse the state_dict, before anything is loaded:
         self._complete_loaded_groups(groups)
         self._check_group_options(groups)
         has_int8_wire = self._schedule.int8_wire is not None
         # only the parameters' entries are checked: the other keys are kept as they are (split_saved_state)
-        saved_state, _ = split_saved_state(state_dict.get("state", {}), self._saved_param_of(state_dict))
+        param_of = self._saved_param_of(state_dict)
+        saved_state, _ = split_saved_state(state_dict.get("state", {}), param_of)
         extra, restart_copies = check_schedule_state(extra, saved_state, has_int8_wire, len(self._param_list()))
         self._schedule.check_loadable(extra)
         self._check_state_names(saved_state)
         # The int8 wire's round in flight goes into the live copies first, on every rank: a state dict without
         # copies and without the schedule entry (a torch.optim checkpoint, rank 0's state at another world size)
         # keeps them, and the senders' own copies already hold that round. Loaded or restarted copies replace them.
+        # It is what the next mix would do anyway, so a load refused after it leaves the optimizer as it was.
         self._schedule.complete_wire_round()
-        self._load_optimizer_state_dict(state_dict)
-        if restart_copies or not has_int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
-            drop_named_state(self._buckets, self.state, WIRE_PREFIX)
-        self._gather_round_state()
-        self._schedule.load_state_dict(extra)
-        self._show_schedule()
-        self._note_state()
+        loaded = self._read_optimizer_state(saved_state, param_of)  # its tensors and counts: read, checked
+        with LoadRollback(self):  # what still raises puts the optimizer back as it was (load_rollback.py)
+            self._write_optimizer_state(state_dict, loaded, param_of)
+            if restart_copies or not has_int8_wire:  # without the int8 wire, copies loaded would be kept for nothing
+                drop_named_state(self._buckets, self.state, WIRE_PREFIX)
+            self._gather_round_state()
+            self._schedule.load_state_dict(extra)
+            self._show_schedule()
+            self._note_state()
 
     def _check_state_names(self, saved: dict):
         """Refuses per-parameter state this class never keeps: another optimizer's checkpoint (DSGD's or SGD's

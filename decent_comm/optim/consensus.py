@@ -1,7 +1,7 @@
 """Consensus-factor schedules for DSGD-AC (Wang & Johansson 2026, "Decentralized SGD with controlled
 disagreement finds flatter minima"): the mixing matrix W becomes (1 - a) I + a W."""
 
-from .._args import integer, real
+from .._args import integer, is_real, real
 
 
 class AdaptiveConsensus:
@@ -39,7 +39,11 @@ class AdaptiveConsensus:
         return {"lr_at_start": self.lr_peak}
 
     def load_state_dict(self, state):
-        self.lr_peak = state.get("lr_at_start")
+        peak = state.get("lr_at_start")
+        # refused here, not at the next step's max() (the optimizer's load puts everything back: load_rollback.py)
+        if peak is not None and not (is_real(peak) and peak == peak):  # NaN too
+            raise ValueError(f"AdaptiveConsensus: the saved lr_at_start is {peak!r}, not an lr (a number or None)")
+        self.lr_peak = peak
 
     def __repr__(self):
         return f"AdaptiveConsensus(p={self.p}, start_step={self.start_step}, min_factor={self.min_factor})"

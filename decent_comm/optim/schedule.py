@@ -342,9 +342,14 @@ class GossipSchedule(ScheduleCheckpoint):
     def bytes_sent(self) -> int:
         return self.exchange.bytes_sent if self.exchange is not None else 0
 
-    def check_running(self):
-        """RuntimeError after shutdown() (without its exchange a step would go on mixing the buffers received last)
-        or once the process group was destroyed under it (GossipExchange.check_group)."""
+    def check_running(self, what: str = "step()"):
+        """RuntimeError during CUDA graph capture (as torch.optim: the step keeps its counts and schedule on the host,
+        which a replay would not advance), after shutdown() (without its exchange a step would go on mixing the
+        buffers received last) or once the process group was destroyed under it (GossipExchange.check_group)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decent_comm: {what} during CUDA graph capture: the step keeps its counts and its "
+                               "gossip schedule on the host, which a replay would not advance. Capture the forward and "
+                               "backward only (or the fused ops, decent_comm.ops).")
         if self._shut_down:
             raise RuntimeError("decent_comm: step() after shutdown(): the optimizer has released its exchange, so a "
                                "step would mix stale neighbour buffers; build a new optimizer to train on")

@@ -4,12 +4,17 @@ CORRECTION state); with the int8 wire the public copies it has advanced (optimiz
 consensus factor, from which the resumed run rebuilds the plan and mixes the copies as this run would have. Mixed
 into GossipSchedule, whose attributes it reads."""
 
+import copy
 import logging
-from typing import Optional
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Callable, Optional
 
 import torch
 
 from .. import ops
+from .agreement import agree_on_step
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
 
@@ -21,6 +26,56 @@ log = logging.getLogger(__name__)
 #: What loading without the "decentralized" entry does to the schedule (load_state_dict leaves it where it is)
 _WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of its topology and cadence (its warm-up "
                   "runs again); one that has stepped keeps its own position.")
+
+
+def _whole(value) -> Optional[int]:
+    """A saved step as a non-negative int (a Python or numpy integer, or a float of a whole number), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return int(value) if float(value).is_integer() and value >= 0 else None
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_entry(where) -> None:
+    """ValueError, naming the key, for a "decentralized" entry that cannot load: not a dict, without "step" or
+    "topology", a step that is not a non-negative whole number, a consensus factor or round in flight that is no
+    number. Checked before anything is loaded: the step used to be read last, so a bad one raised a bare KeyError or
+    int()'s ValueError after the moments, counts and lr were already the checkpoint's and the schedule still the
+    optimizer's own (and a negative one loaded: the schedule ran from it)."""
+    if not where:  # None (no entry, or one set to None for DCP's flattened form) or empty: the schedule stays
+        return
+    said = "the state_dict's 'decentralized' entry (param_groups[0]['decentralized'], where the gossip schedule stands)"
+    if not isinstance(where, Mapping):
+        raise ValueError(f"{said} is a {type(where).__name__}, not the dict state_dict() saves: nothing was loaded")
+    missing = [k for k in ("step", "topology") if k not in where]
+    bad = ""
+    if missing:
+        bad = f"lacks {missing}, which state_dict() always saves"
+    elif _whole(where["step"]) is None:
+        bad = f"has step {where['step']!r}, not a number of optimizer steps (a whole number, 0 or more)"
+    elif not isinstance(where["topology"], str) or len(where["topology"]) < 16:
+        bad = f"has topology {where['topology']!r}, not a topology fingerprint and name"
+    elif where.get("next_factor") is not None and not _real(where["next_factor"]):
+        bad = f"has next_factor {where['next_factor']!r}, not a consensus factor (a finite number)"
+    elif not _wire_round_ok(where.get("int8_wire_round")):
+        bad = f"has int8_wire_round {where['int8_wire_round']!r}, not [step, factor] of a round in flight"
+    else:
+        bad = next((f"has {k} {where[k]!r}, not a dict" for k in ("consensus", "adaptive")
+                    if where.get(k) is not None and not isinstance(where[k], Mapping)), "")
+    if bad:
+        raise ValueError(f"{said} {bad}: nothing was loaded. To go on from the state_dict's optimizer state under "
+                         "this optimizer's schedule, drop the entry before loading" + _WITHOUT_ENTRY)
+
+
+def _wire_round_ok(saved) -> bool:
+    if saved is None:
+        return True
+    if isinstance(saved, Mapping):
+        saved = [saved.get("step"), saved.get("factor")]
+    return isinstance(saved, (list, tuple)) and len(saved) == 2 and _whole(saved[0]) is not None and _real(saved[1])
 
 
 def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire: bool, num_params: int):
@@ -36,6 +91,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
     in a new optimizer (the round in flight mixes them as no change) and on both ends of each edge in a live one
     (complete_wire_round); also not exact, also logged. Without the entry and without copies the live copies stay
     too: a torch.optim checkpoint, rank 0's state from a run without the int8 wire."""
+    check_entry(where)
     names = {name for st in saved_state.values() for name in (st or {})}
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
     if not where:
@@ -46,7 +102,7 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
         if restart:
             log.warning("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
                         "copies may be another rank's, so every rank loading it restarts them from zero")
-        return where, restart
+        return None, restart
     if where.get("delayed_pending") and CORRECTION not in names:
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
@@ -89,6 +145,10 @@ def _topology_entry(topology) -> str:
 
 
 class ScheduleCheckpoint:
+
+    #: Why the next step agrees on where the schedule stands with the other ranks (agree_position): "built" (the
+    #: optimizer's first step), "loaded" (the first after load_state_dict), None once they agreed
+    _agree_due: Optional[str] = "built"
 
     @property
     def correction_due(self) -> bool:
@@ -158,7 +218,8 @@ class ScheduleCheckpoint:
     def check_loadable(self, extra: Optional[dict]):
         """ValueError when a checkpoint's extras are another schedule's (rank, world size, cadence, topology); called
         before the optimizer loads anything, so a refused state_dict leaves it as it was."""
-        if extra is None:
+        check_entry(extra)
+        if not extra:
             return
         for key, mine in (("world_size", self.world_size), ("rank", self.rank)):
             if key in extra and extra[key] != mine:
@@ -195,22 +256,30 @@ class ScheduleCheckpoint:
                 self.decoded_inputs(b, self._mix_form(plan))
 
     def load_state_dict(self, extra: Optional[dict]):
-        """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras."""
+        """Restores the step counter, consensus state and adaptive decisions from a checkpoint's extras. What can
+        refuse them comes first (the optimizer's LoadRollback puts back the rest of a load this refuses)."""
         self.check_loadable(extra)
-        if extra is not None:
-            self.t = int(extra["step"])
-            factor = extra.get("next_factor")  # step t's round's, when its exchange was in flight
-            self._resume_factor = None if factor is None else (self.t, float(factor))
-            if extra.get("consensus") is not None and hasattr(self.consensus, "load_state_dict"):
-                self.consensus.load_state_dict(extra["consensus"])
-            if self.adaptive is not None:
-                self.adaptive.load_state_dict(extra.get("adaptive"))
-        self._restored = bool(extra and extra.get("delayed_pending"))
+        extra = extra or None
+        restored = bool(extra and extra.get("delayed_pending"))
         missing = [b.index for b in self.buckets if CORRECTION not in b.state]
-        if self._restored and missing:
+        if restored and missing:
             raise ValueError(f"the checkpoint has a delayed_mix round in flight but no '{CORRECTION}' state for the "
                              f"parameters of bucket(s) {missing}: load the optimizer state and its 'decentralized' "
                              "entry from the same state_dict")
+        if extra is not None:
+            for key, part in (("consensus", self.consensus), ("adaptive", self.adaptive)):
+                state = extra.get(key)
+                if part is None or not hasattr(part, "load_state_dict") or (state is None and key == "consensus"):
+                    continue
+                try:  # their own classes' (a user's policy too): what they refuse, whatever its type, named here
+                    part.load_state_dict(state)
+                except Exception as e:  # noqa: BLE001
+                    raise ValueError(f"the state_dict's 'decentralized' entry has a {key!r} this optimizer cannot "
+                                     f"load ({type(e).__name__}: {e}): nothing was loaded") from e
+            self.t = _whole(extra["step"])
+            factor = extra.get("next_factor")  # step t's round's, when its exchange was in flight
+            self._resume_factor = None if factor is None else (self.t, float(factor))
+        self._restored = restored
         # Whatever was in flight carried the old parameters: start the next exchange afresh (the int8 wire's round
         # was added to the copies before the load, complete_wire_round: the copies the load leaves agree).
         self.complete_transfers()
@@ -220,6 +289,44 @@ class ScheduleCheckpoint:
         if self.int8_wire is not None:
             self.int8_wire.forget()
             self._restore_wire_round(_wire_round_of(extra))
+        self._agree_due = "loaded"
+
+    #: What load_state_dict sets (load_snapshot)
+    _LOADED = ("t", "_resume_factor", "_restored", "inflight", "pending", "_fresh", "_wire_restored", "_agree_due")
+
+    def load_snapshot(self) -> Callable[[], None]:
+        """A function that puts back what load_state_dict changes (the optimizer's LoadRollback, for a load that
+        fails part-way): the attributes it sets, the consensus schedule's and adaptive topology's state, and the int8
+        wire's record of what it has decoded. The transfers it completed stay complete (their data stays valid)."""
+        attrs = {k: getattr(self, k) for k in self._LOADED}  # load_state_dict rebinds them all, changes none
+        consensus = copy.deepcopy(self.consensus.state_dict()) if hasattr(self.consensus, "load_state_dict") and \
+            hasattr(self.consensus, "state_dict") else None
+        adaptive = None if self.adaptive is None else (dict(vars(self.adaptive)),
+                                                       copy.deepcopy(self.adaptive.topology.state_dict()))
+        wire = None if self.int8_wire is None else (set(self.int8_wire._undecoded), self.int8_wire._names_of)
+
+        def restore():
+            for k, v in attrs.items():
+                setattr(self, k, v)
+            if consensus is not None:
+                self.consensus.load_state_dict(consensus)
+            if adaptive is not None:
+                self.adaptive.topology.load_state_dict(adaptive[1])
+                vars(self.adaptive).update(adaptive[0])
+            if wire is not None:
+                self.int8_wire._undecoded, self.int8_wire._names_of = wire
+        return restore
+
+    def agree_position(self):
+        """At the first step after the optimizer was built or loaded a state_dict (where the schedule stands may then
+        differ between ranks: each loaded its own checkpoint), all ranks agree on the step they are at, or each raises
+        RuntimeError naming them (agreement.agree_on_step): one small all-reduce, not at the steps after it. Without
+        it, ranks resumed from checkpoints of different steps (a save that did not finish on every rank, a wrong path,
+        a refused load caught on one rank) gossiped with no error, each mixing its neighbours' parameters of other
+        steps under its own schedule phase, until a collective utility noticed."""
+        if self._agree_due and self.all_reduce is not None:
+            agree_on_step(self.all_reduce, self.t, loaded=self._agree_due == "loaded")
+        self._agree_due = None
 
     def _restore_wire_round(self, saved: Optional[dict]):
         """The int8 wire's round in flight at the checkpoint: its plan, to be mixed from the restored copies

@@ -66,9 +66,9 @@ def load_state(buckets: List[Bucket], saved_state: dict, param_of: dict, state, 
 def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict, layout: StateLayout,
                foreign_value: Callable[[torch.Tensor, object], object] = lambda p, value: value) -> Loaded:
     """The first half of loading a state_dict's per-parameter state, which writes nothing and raises ValueError for
-    what cannot load (a tensor of another shape than its parameter's, a value that is not a tensor), so that a refused
-    state_dict leaves the optimizer as it was. `param_of`: saved key (an index, or an FQN from
-    torch.distributed.checkpoint) -> the parameter it names.
+    what cannot load (copy_problem's: a tensor of another shape than its parameter's, a meta or sparse one, a value
+    that is not a tensor; a step count that is no number), so that a refused state_dict leaves the optimizer as it
+    was. `param_of`: saved key (an index, or an FQN from torch.distributed.checkpoint) -> the parameter it names.
 
     The saved tensors may be this optimizer's own views: opt.load_state_dict(opt.state_dict()), or
     torch.distributed.checkpoint loading into get_state_dict's tensors in place. So everything is read before
@@ -86,17 +86,75 @@ def read_state(buckets: List[Bucket], saved_state: dict, param_of: dict, layout:
         count, tensors, foreign = None, {}, {}
         for name, value in st.items():
             if name == "step":
-                count = float(value)
+                count = step_count_of(key, value)
             elif not layout.is_buffer(name):
-                foreign[name] = foreign_value(p, value)
+                try:
+                    foreign[name] = foreign_value(p, value)
+                except (RuntimeError, NotImplementedError, TypeError) as e:  # torch's cast of a meta tensor, ...
+                    raise ValueError(f"state {name!r} of parameter {key!r} cannot be moved to the parameter's dtype "
+                                     f"and device ({e}): nothing was loaded") from e
             elif value is not None:
-                if not torch.is_tensor(value) or value.shape != p.shape:
-                    what = f"has shape {tuple(value.shape)}" if torch.is_tensor(value) else f"is a {type(value).__name__}"
-                    raise ValueError(f"state {name!r} of parameter {key!r} {what}, the parameter is a tensor of shape "
-                                     f"{tuple(p.shape)}: nothing was loaded")
+                problem = copy_problem(value, p)
+                if problem:
+                    raise ValueError(f"state {name!r} of parameter {key!r} {problem}: nothing was loaded")
                 tensors[name] = _detached_from_buckets(b, i, name, value, bucket_memory)
         loaded[(id(b), i)] = (count, tensors, foreign)
     return loaded
+
+
+def copy_problem(value, param: torch.Tensor) -> str:
+    """Why `value` cannot be a saved state tensor of `param`, copied into its view of a flat float32 state buffer:
+    words for the ValueError, "" when it can. Checked before anything is loaded: copy_ raised these half-way through
+    a load (a meta tensor: "Cannot copy out of meta tensor", after opt.state was emptied and the counts zeroed), or
+    dropped a complex tensor's imaginary part with a warning."""
+    if not torch.is_tensor(value):
+        return f"is a {type(value).__name__}, not a tensor"
+    if getattr(value, "is_nested", False):
+        return "is a nested tensor"
+    if value.shape != param.shape:
+        return f"has shape {tuple(value.shape)}, the parameter is a tensor of shape {tuple(param.shape)}"
+    if value.is_meta:
+        return "is a meta tensor: it has no values (a template, or a model built on the meta device, was saved)"
+    if value.layout != torch.strided:
+        return f"is a {value.layout} tensor, not a dense one (save value.to_dense())"
+    if value.is_quantized:
+        return "is a quantized tensor (save value.dequantize())"
+    if value.is_complex() and not param.is_complex():
+        return "is complex, the parameter is real (copied, its imaginary part would be dropped)"
+    return ""
+
+
+def cast_problem(value, param: torch.Tensor) -> str:
+    """Why torch.optim's load_state_dict cannot cast a saved state entry (tensors also inside lists, tuples and
+    dicts) to `param`'s dtype and device as it does (Decentralized's wrapped optimizer loads it so): words for the
+    ValueError, "" when it can. torch raised for a meta tensor only once the load was under way (after the int8
+    wire's round was completed), and cast a complex tensor into a real parameter's dtype dropping its imaginary part."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return next((w for w in (cast_problem(v, param) for v in value) if w), "")
+    if not torch.is_tensor(value):
+        return ""
+    if value.is_meta:
+        return "is (or holds) a meta tensor: it has no values (a template, or a model built on the meta device, " \
+               "was saved)"
+    if value.is_complex() and param.is_floating_point():
+        return "is (or holds) a complex tensor, the parameter is real (cast, its imaginary part would be dropped)"
+    return ""
+
+
+def step_count_of(key, value) -> float:
+    """A saved per-parameter "step" as a number: a Python number or a one-element tensor with values; ValueError
+    (naming parameter `key`) for anything else, before anything is loaded."""
+    bad = torch.is_tensor(value) and (value.is_meta or value.is_complex() or value.numel() != 1)
+    try:
+        if not bad:
+            return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    what = f"a tensor of shape {tuple(value.shape)} on {value.device}" if torch.is_tensor(value) else repr(value)
+    raise ValueError(f"state 'step' of parameter {key!r} is {what}, not a step count (a number, or a tensor of one "
+                     "element): nothing was loaded")
 
 
 def saved_param(param_of: dict, key):

@@ -10,6 +10,7 @@ from .device_scalars import sq_dist, sum_scalars
 from .base import DecentralizedMixin
 from .fused import _split_options
 from .startup import refusal_told
+from .state_views import cast_problem, saved_param
 from .tracing import traced
 
 
@@ -138,5 +139,16 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         # optimizer's state_dict runs the inner optimizer's
         return self.inner.state_dict()
 
-    def _load_optimizer_state_dict(self, state_dict: dict):
+    def _read_optimizer_state(self, saved_state: dict, param_of: dict):
+        """The wrapped optimizer's load casts each saved entry to its parameter's dtype and device: what it cannot
+        cast (a meta tensor; a complex one into a real parameter, whose imaginary part it drops) is refused here,
+        before anything is loaded. Its step does the rest of the checking, as torch's optimizers do."""
+        for key, st in saved_state.items():
+            p = saved_param(param_of, key)
+            for name, value in (st or {}).items():
+                problem = cast_problem(value, p)
+                if problem:
+                    raise ValueError(f"state {name!r} of parameter {key!r} {problem}: nothing was loaded")
+
+    def _write_optimizer_state(self, state_dict: dict, loaded, param_of: dict):
         self.inner.load_state_dict(state_dict)
