@@ -76,7 +76,7 @@ def test_rounding_ties_go_to_even(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_level_rounds_the_product_with_the_float32_inverse(device):
-    """The formula ops.int8_encode_ and docs/api.md state: round(fl(d * fl(127 / absmax))), not round(d * 127 /
+    """The formula ops.int8_encode_ and docs/api_lowlevel.md state: round(fl(d * fl(127 / absmax))), not round(d * 127 /
     absmax). -30 of [-10, -30, -60, -43] is exactly -63.5, a tie to -64; -30 * fl(127 / 60) is -63.499996: -63."""
     x = torch.tensor([-10.0, -30.0, -60.0, -43.0], device=device)
     payload = torch.empty(ops.int8_payload_nbytes(4, 4), dtype=torch.uint8, device=device)
@@ -137,7 +137,7 @@ def _encode_block(d, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_error_bound_holds_from_127_over_flt_max_to_below_flt_max(device):
-    """The documented contract (ops.int8_encode_, docs/api.md): |copy - x| <= absmax / 254 (to the float32 roundings)
+    """The documented contract (ops.int8_encode_, docs/api_lowlevel.md): |copy - x| <= absmax / 254 (to the float32 roundings)
     for a block whose absmax is in [127 / FLT_MAX, FLT_MAX); below it every nonzero element goes to +-127 (error up
     to absmax, < 3.74e-37); at FLT_MAX the copies of its +-FLT_MAX elements are +-inf."""
     with np.errstate(over="ignore"):

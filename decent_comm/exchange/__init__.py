@@ -10,7 +10,7 @@ Every path has the same methods - ``exchange``, ``wait``, ``wait_all``, ``synchr
 failed; the object is unusable afterwards) and ``ExchangeTimeout`` (an ExchangeError and a TimeoutError).
 Bad arguments raise ``ValueError`` and leave the object usable.
 
-Imported here for decent_comm.optim, which uses them, but not public API (not in ``__all__``, nor on docs/api.md):
+Imported here for decent_comm.optim, which uses them, but not public API (not in ``__all__``, nor on docs/api.md or docs/api_lowlevel.md):
 ``BoundedAllReduce`` (the optimizers' whole-group all-reduces, held to the same timeout; ``CollectiveMismatch`` when
 the ranks are not at the same call) and ``broadcast_from_rank0`` (their start-up copy of rank 0's parameters), the
 start-up barrier and the store exchange it rests on (``wait_for_ranks``, ``swap``), the wording of errors
