@@ -16,9 +16,9 @@ Refused before anything is written, with a message that starts ``decent_comm.<op
   also without copies, where Python raises the kernels' RuntimeError for them); and, while autograd is recording,
   any operand that requires grad (the ops have no derivative);
 - here, in Python, before the call, with a ValueError: step, accum_steps, payload_offset, payload_block or block
-  that is not an integer or does not fit in int64 (step=1.5; step=0 is the kernels'); step=None without
-  state_step, or a step given with it; copies without payloads or payloads without copies; and any bad argument of
-  the pure-Python int8_payload_nbytes and int8_payload_views (a block the kernels refuse too).
+  that is not an integer (a bool neither) or does not fit in int64 (step=1.5; step=0 is the kernels'); step=None
+  without state_step, or a step given with it; copies without payloads or payloads without copies; and any bad
+  argument of the pure-Python int8_payload_nbytes and int8_payload_views (a block the kernels refuse too).
 Float hyper-parameters and weights go through float() unchecked (a string float() parses is taken; None raises
 float's own TypeError): the optimizers check their options' types before they call the ops.
 Under ``torch.no_grad()`` requires-grad tensors are accepted, as torch's in-place ops accept Parameters there;
@@ -61,6 +61,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _native  # noqa: F401  (registers the ops)
+from ._args import is_bool
 
 _ops = torch.ops.decent_comm
 
@@ -87,8 +88,12 @@ def _refused(op: str, problem: str) -> ValueError:
 
 
 def _int64(op: str, name: str, value) -> int:
-    """`value` as an int64 for the op schema, refused by name when it is not an integer or does not fit."""
+    """`value` as an int64 for the op schema, refused by name when it is not an integer or does not fit. A bool is
+    no integer (decent_comm._args' rule): operator.index takes True as 1, so step=True or accum_steps=True ran.
+    Unlike the optimizers' options, a whole float (2.0) stays refused: the ops' arguments are the schema's int64s."""
     try:
+        if is_bool(value):
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise _refused(op, f"{name} must be an integer, got {value!r}") from None

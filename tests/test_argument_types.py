@@ -188,3 +188,170 @@ def test_payload_arguments_without_copies_are_refused_as_with_them():
         name = next(iter(bad))
         assert name in str(without.value)
         assert str(without.value).split("(")[0] == str(with_copies.value).split("(")[0], bad
+
+
+# ------------------------------------------------ whole floats are integers; 0-d arrays and tensors are numbers
+
+def _accum_train(**kw):
+    params = _params()
+    opt = decent_comm.AccumAdamW(params, lr=0.1, **kw)
+    for t in range(5):
+        params[0].grad = torch.full((6,), float(t + 1))
+        opt.step()
+    return params[0].detach().clone()
+
+
+
+@pytest.mark.parametrize("whole", [4.0, np.float64(4.0), np.float32(4.0), np.array(4.0)],
+                         ids=["float", "np.float64", "np.float32", "0-d array"])
+def test_a_whole_float_is_the_integer_it_equals(whole):
+    """argparse's type=float and arithmetic (n / 2) give 4.0 for an integer option; it was taken before the shared
+    rule, refused by it, and is taken again, as the int it equals (4.5, NaN, inf, a string or a bool are not)."""
+    from decent_comm._args import integer
+    assert integer(whole, "n") == 4 and type(integer(whole, "n")) is int
+    assert torch.equal(_accum_train(accum_steps=whole), _accum_train(accum_steps=4))
+    assert decent_comm.decentralized_adam_hparams(1e-3, world_size=whole * 2, accum_steps=whole / 2) == \
+        decent_comm.decentralized_adam_hparams(1e-3, world_size=8, accum_steps=2)
+    assert vars(decent_comm.AdaptiveConsensus(start_step=whole * 25)) == \
+        vars(decent_comm.AdaptiveConsensus(start_step=100))
+    c = T.ConsensusControl(interval=whole, min_dwell=whole * 5)
+    assert (c.interval, c.min_dwell, type(c.interval), type(c.min_dwell)) == (4, 20, int, int)
+    s = T.PhaseSchedule([("ring", 0), ("one-peer-exp", whole * 25)])
+    assert s.phases == T.PhaseSchedule([("ring", 0), ("one-peer-exp", 100)]).phases
+    assert all(type(start) is int for _, start in s.phases)
+    kw = dict(warmup=5, seed=0)
+    assert rm.simulate(_cluster(), _workload(), "ring", steps=whole * 5, **kw) == \
+        rm.simulate(_cluster(), _workload(), "ring", steps=20, **kw)
+    assert T.make("ring", whole).peers(1, 0) == T.make("ring", 4).peers(1, 0)
+
+
+@pytest.mark.parametrize("bad", [4.5, np.float32(4.5), NAN, INF, -INF, "4", True, np.bool_(True), np.array(True),
+                                 torch.tensor(4.0)])
+def test_no_fraction_nonfinite_string_bool_or_float_tensor_is_an_integer(bad):
+    from decent_comm._args import integer
+    with pytest.raises(ValueError, match="n must be an integer"):
+        integer(bad, "n")
+    with pytest.raises(ValueError, match="accum_steps must be an integer >= 1"):
+        decent_comm.AccumAdamW(_params(), accum_steps=bad)
+
+
+@pytest.mark.parametrize("cls", [decent_comm.DSGD, decent_comm.DAdamW])
+def test_a_0d_numpy_lr_trains_as_torch_optim_does(cls):
+    """np.array(0.1) (a numpy reduction's result, what a scheduler may write into a group) trains in torch.optim;
+    the shared check refused it with a TypeError. A 1-element array of rank 1 stays refused, as torch refuses it."""
+    def train(lr, edit=None):
+        params = _params()
+        opt = cls(params, lr=lr)
+        for t in range(3):
+            if t == 1 and edit is not None:
+                opt.param_groups[0]["lr"] = edit
+            params[0].grad = torch.full((6,), float(t + 1))
+            opt.step()
+        return params[0].detach().clone()
+    assert torch.equal(train(np.array(0.1)), train(0.1))
+    assert torch.equal(train(0.1, edit=np.array(0.05)), train(0.1, edit=0.05))
+    with pytest.raises(TypeError, match="lr must be a float or a 1-element tensor"):
+        cls(_params(), lr=np.array([0.1]))
+
+
+def test_tensor_options_of_the_hparams_and_the_workload():
+    """Taken as the optimizers take them (refused by the shared rule); hparams gives tensors back, as before it."""
+    hp = decent_comm.decentralized_adam_hparams
+    got = hp(torch.tensor(1e-3, dtype=torch.float64), 4, torch.tensor([0.9, 0.999], dtype=torch.float64),
+             accum_steps=2)
+    want = hp(1e-3, 4, (0.9, 0.999), accum_steps=2)
+    assert isinstance(got["lr"], torch.Tensor) and math.isclose(float(got["lr"]), want["lr"], rel_tol=1e-15)
+    assert [float(b) for b in got["betas"]] == pytest.approx(want["betas"], rel=1e-15)
+    assert all(isinstance(b, torch.Tensor) for b in got["betas"])
+    for bad in (torch.tensor([0.9, 1.0]), torch.tensor([0.9]), torch.tensor(0.9), [True, 0.9]):
+        with pytest.raises(ValueError, match="betas must be two numbers"):
+            hp(1e-3, 4, bad)
+    assert rm.Workload(params=torch.tensor(1e6), compute=rm.ComputeTime(0.1)).params == 1e6
+
+
+# -------------------------------------------------------------------- the rule applied where it was not yet
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: ops.int8_payload_nbytes(True), "numel must be an integer, got True"),
+    (lambda: ops.int8_payload_nbytes(10, True), "block must be an integer, got True"),
+    (lambda: T.ConsensusControl(kappa=True), "kappa must be a finite number"),
+    (lambda: T.ConsensusControl(low=True, high=2.0), "low must be a finite number"),
+    (lambda: T.ConsensusControl(correlation=False), "correlation must be a finite number"),
+    (lambda: rm.ComputeTime(True), "compute mean"),
+    (lambda: rm.ComputeTime(0.1, std=True), "compute std"),
+], ids=["nbytes-numel", "nbytes-block", "kappa", "low", "correlation", "mean", "std"])
+def test_bools_refused_where_bare_comparisons_took_them(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize("name", ["step", "accum_steps"])
+def test_the_accum_op_refuses_a_bool_step(name):
+    x, g, m, v, a = (torch.zeros(4) for _ in range(5))
+    g += 1
+    kw = {"step": 1, "accum_steps": 1, name: True}
+    with pytest.raises(ValueError, match=f"mix_accum_adam_: {name} must be an integer, got True"):
+        ops.mix_accum_adam_(x, [], 1.0, [], g, m, v, a, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.0, **kw)
+    assert not x.any()
+
+
+def test_a_param_groups_accum_steps_is_checked_as_the_constructors():
+    """accum_steps=True in a group (an edit, a checkpoint) trained as 1; 2.0 is 2, as in the constructor."""
+    params = _params()
+    opt = decent_comm.AccumAdamW(params, lr=0.1, accum_steps=4)
+    params[0].grad = torch.ones(6)
+    before = params[0].detach().clone()
+    opt.param_groups[0]["accum_steps"] = True
+    with pytest.raises(ValueError, match=r"param group 0\): accum_steps must be an integer >= 1, got True"):
+        opt.step()
+    assert torch.equal(params[0].detach(), before)
+
+    def edited(k):
+        params = _params()
+        opt = decent_comm.AccumAdamW(params, lr=0.1, accum_steps=4)
+        opt.param_groups[0]["accum_steps"] = k
+        for t in range(3):
+            params[0].grad = torch.full((6,), float(t + 1))
+            opt.step()
+        return params[0].detach().clone()
+    assert torch.equal(edited(2.0), edited(2))
+
+
+@pytest.mark.parametrize("rank", [np.int64(1), torch.tensor(1), 1.0])
+def test_ranks_and_world_sizes_come_back_as_python_ints(rank):
+    """peers() checked an integer rank and then computed with the given object: tensor or np.int64 neighbour
+    ranks; make() refused the tensor world size peers() took as a rank."""
+    for name in ("ring", "one-peer-exp", "complete"):
+        got, want = T.make(name, 4).peers(rank, 1), T.make(name, 4).peers(1, 1)
+        assert got == want
+        assert all(type(j) is int for j, _ in got.recv) and all(type(k) is int for k in got.send)
+    t = T.make("ring", torch.tensor(4), local_world_size=np.int64(2))
+    assert type(t.world_size) is int and t.world_size == 4 and t.local_world_size == 2
+
+
+def test_the_consensus_factor_is_read_once():
+    """Of a CUDA tensor each float() is a host synchronization, and the optimizer checks its factor every step."""
+    from decent_comm.topology.consensus import check_consensus_factor
+
+    class Counted(torch.Tensor):
+        reads = 0
+
+        def __float__(self):
+            Counted.reads += 1
+            return super().__float__()
+    a = torch.tensor(0.5).as_subclass(Counted)
+    assert check_consensus_factor(a) == 0.5 and Counted.reads == 1
+
+
+def test_integer_and_real_build_no_message_unless_they_raise(monkeypatch):
+    """The message's f-string cost 15% of Topology.peers(): it is built for a refusal only."""
+    from decent_comm import _args
+
+    def built(*a):
+        raise AssertionError("message built")
+    monkeypatch.setattr(_args, "_range", built)
+    assert _args.integer(5, "n", low=1) == 5 and _args.integer(np.int64(5), "n", low=1) == 5
+    assert _args.real(0.5, "x", 0, 1) == 0.5
+    with pytest.raises(AssertionError, match="message built"):
+        _args.integer(0, "n", low=1)

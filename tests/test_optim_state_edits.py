@@ -271,3 +271,27 @@ def test_another_librarys_state_entries_are_kept_saved_and_loaded_as_torch(seria
     (model, opt), (ref, ropt) = runs
     _assert_same_run(model, opt, ref, ropt, ("exp_avg", "exp_avg_sq", "lookahead_slow_buff"), rtol=1e-5,
                      atol=1e-6)
+
+
+def test_a_hook_counting_under_a_key_of_its_own_reloads_nothing(monkeypatch):
+    """A step hook writing opt.state["n"] (a non-parameter key, as torch's own tests do) replaced an entry of
+    opt.state at every step, so every step reloaded the whole state (22x slower with 2,000 parameters). Only the
+    parameters' entries are looked at now; a real edit of one is still adopted, as torch.optim.AdamW reads it."""
+    import decent_comm.optim.base as base
+    reloads = []
+    adopt = base.adopt_state_edits
+    monkeypatch.setattr(base, "adopt_state_edits", lambda *a, **k: (reloads.append(1), adopt(*a, **k))[1])
+    model, ref = make_model(0), make_model(0)
+    opt, ropt = decent_comm.DAdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for o in (opt, ropt):
+        o.register_step_post_hook(lambda o, a, k: o.state.__setitem__("n", o.state.get("n", 0) + 1))
+    _steps(model, opt, 0, 3)
+    _steps(ref, ropt, 0, 3)
+    assert reloads == [] and opt.state["n"] == 3
+    for o in (opt, ropt):  # a parameter's entry replaced: adopted at the next step
+        p = next(iter(o.param_groups[0]["params"]))
+        o.state[p] = {k: (v.clone() * 0.5 if k != "step" else v.clone()) for k, v in o.state[p].items()}
+    _steps(model, opt, 3, 5)
+    _steps(ref, ropt, 3, 5)
+    assert len(reloads) == 1 and opt.state["n"] == 5
+    _assert_same_run(model, opt, ref, ropt, ("exp_avg", "exp_avg_sq"))

@@ -7,13 +7,12 @@ Without an initialized process group, or with world size 1, each matches its tor
 
 import collections
 import functools
-import numbers
 import re
 
 import torch
 
 from .. import ops
-from .._args import integer, is_bool
+from .._args import integer, is_bool, is_real
 from .base import DecentralizedMixin
 from .startup import refusal_told
 from .step_counts import grads_present
@@ -174,7 +173,7 @@ def _check_scalars(**values):
             if value.is_meta or value.is_complex():
                 raise ValueError(f"Tensor {name} must hold a real value, got one of dtype {value.dtype} on "
                                  f"{value.device}")
-        elif not isinstance(value, numbers.Real):
+        elif not is_real(value):  # a 0-d numpy array (np.array(0.1)) is a number, as torch.optim trains with it
             raise TypeError(f"{name} must be a float or a 1-element tensor, got {value!r} ({type(value).__name__})")
 
 
@@ -343,12 +342,18 @@ class AccumAdam(_AdamBase):
 
     _STATE_NAMES = ("exp_avg", "exp_avg_sq", "accum")
 
+    def _check_group(self, group, where):
+        # as the constructor checks it: an edited or loaded True trained as accum_steps=1 (the op's int64 took it)
+        super()._check_group(group, where)
+        integer(group.get("accum_steps"), "accum_steps", low=1, where=where)
+
     def _local_update(self, b, sl, group, step, nbs, self_weight, weights, disagreement=None, **op_kwargs):
         beta1, beta2 = group["betas"]
+        k = integer(group["accum_steps"], "accum_steps")  # an edited 2.0 as the int 2 the op's int64 takes
         ops.mix_accum_adam_(b.flat[sl], nbs, self_weight, weights, b.grad[sl], b.state_buffer("exp_avg")[sl],
-                            b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], _next(step),
-                            group["accum_steps"], group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                            self._decoupled, disagreement=disagreement, **op_kwargs)
+                            b.state_buffer("exp_avg_sq")[sl], b.state_buffer("accum")[sl], _next(step), k,
+                            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], self._decoupled,
+                            disagreement=disagreement, **op_kwargs)
 
 
 class AccumAdamW(AccumAdam):

@@ -16,6 +16,7 @@ mode land within 2% of the all-reduce AdamW run at equal steps (4 and 8 ranks); 
 """
 
 import math
+import sys
 from typing import Optional, Tuple
 
 from .._args import integer, is_real, real
@@ -38,8 +39,25 @@ def decentralized_adam_hparams(lr: float, world_size: Optional[int] = None, beta
     where = "decentralized_adam_hparams"
     world_size = integer(world_size, "world_size", low=1, where=where)
     k = integer(accum_steps, "accum_steps", low=1, where=where)
-    lr = real(lr, "lr", low=0, low_open=True, where=where)
-    if (isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2
-            or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas)):
+    # a one-element tensor lr or beta is taken as the optimizers take it, and comes back a tensor (lr * scale,
+    # beta ** k), as before the shared check: the result is passed to them, which keep tensor options as given
+    checked = real(lr, "lr", low=0, low_open=True, tensor=True, where=where)
+    lr = lr if _is_tensor(lr) else checked
+    if not _two_betas(betas):
         raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
     return {"lr": lr * math.sqrt(max(1.0, world_size / k)), "betas": (betas[0] ** k, betas[1] ** k)}
+
+
+def _is_tensor(value) -> bool:
+    torch = sys.modules.get("torch")  # this module does not import torch: a tensor exists only once it is imported
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _two_betas(betas) -> bool:
+    """Two real numbers (one-element tensors too) in [0, 1): a pair, a numpy array or a tensor of two."""
+    try:
+        if isinstance(betas, str) or len(betas) != 2:
+            return False
+    except TypeError:  # no len(): a number, a 0-d tensor or array
+        return False
+    return all(is_real(b, tensor=True) and 0.0 <= float(b) < 1.0 for b in betas)

@@ -61,14 +61,11 @@ class ComputeTime:
             object.__setattr__(self, "sample", tuple(s.tolist()))
             object.__setattr__(self, "mean", float(s.mean()))
             object.__setattr__(self, "std", float(s.std()))
-        if not (math.isfinite(self.mean) and self.mean >= 0):
-            raise ValueError(f"compute mean must be a finite time >= 0 seconds, got {self.mean!r}")
-        if not (math.isfinite(self.std) and self.std >= 0):
-            raise ValueError(f"compute std must be a finite time >= 0 seconds, got {self.std!r}")
+        # the shared rule (_args.real): True was a mean of 1 s, and a string failed inside math.isfinite
+        real(self.mean, "compute mean (seconds)", low=0)
+        real(self.std, "compute std (seconds)", low=0)
         for name in ("forward_fraction", "backward_fraction"):
-            v = getattr(self, name)
-            if not 0 <= v <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+            real(getattr(self, name), name, 0, 1)
 
     @classmethod
     def from_sample(cls, sample, **kw) -> "ComputeTime":
@@ -113,7 +110,7 @@ class Workload:
     param_bytes: float = 4
 
     def __post_init__(self):
-        real(self.params, "params", low=0)  # validated, kept as given (a bool or a string is no count)
+        real(self.params, "params", low=0, tensor=True)  # validated, kept as given (a bool or a string is no count)
         if not isinstance(self.compute, ComputeTime):  # a bare number failed later, inside predict()
             raise TypeError(f"compute must be a ComputeTime (e.g. ComputeTime({self.compute!r}) for a fixed "
                             f"{self.compute!r} s per step), got {type(self.compute).__name__}")

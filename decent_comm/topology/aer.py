@@ -93,7 +93,7 @@ class AlternatingExponentialRing(Topology):
 
     # -- rank-level -----------------------------------------------------------------
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         L = self.local_world_size
         u, l = divmod(rank, L)
         if self.uses_inter(u, step):

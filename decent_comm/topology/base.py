@@ -124,10 +124,13 @@ class Topology:
     def _overrides(self, method: str) -> bool:
         return getattr(type(self), method) is not getattr(Topology, method)
 
-    def _check_rank(self, rank: int) -> None:
-        integer(rank, "rank")  # 0.5 passed the range check and gave fractional neighbour ranks
+    def _check_rank(self, rank: int) -> int:
+        """`rank` as a Python int in [0, world_size), else ValueError. Use the result: a tensor or np.int64 rank
+        passed the check but came back in the neighbour ranks computed from it; 0.5 gave fractional ones."""
+        rank = integer(rank, "rank")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
+        return rank
 
     def peers(self, rank: int, step: int) -> Peers:
         """``Peers`` of ``rank`` at ``step`` (any integer; taken modulo ``period``).
@@ -137,7 +140,7 @@ class Topology:
         """
         if not self._overrides("matrix"):
             raise NotImplementedError(f"{type(self).__name__} must implement peers() or matrix()")
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         s, recv, send = self._derived_peers(step % self.period)[rank]
         return Peers(s, list(recv), list(send))
 

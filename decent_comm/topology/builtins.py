@@ -46,7 +46,7 @@ class Complete(Topology):
         super().__init__(world_size, local_world_size=local_world_size, name="complete")
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         n = self.world_size
         others = [j for j in range(n) if j != rank]
         w = 1.0 / n
@@ -67,7 +67,7 @@ class Local(Topology):
         super().__init__(world_size, local_world_size=local_world_size, name="local", allow_disconnected=True)
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         return Peers(1.0, [], [])
 
 
@@ -83,7 +83,7 @@ class Ring(Topology):
         super().__init__(world_size, local_world_size=local_world_size, name="ring")
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         n = self.world_size
         nb = sorted({(rank - 1) % n, (rank + 1) % n} - {rank})
         return _uniform(nb)
@@ -118,7 +118,7 @@ class OnePeerRing(Topology):
         return None if j == rank else j
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         j = self.partner(rank, step)
         return Peers(1.0, [], []) if j is None else Peers(0.5, [(j, 0.5)], [j])
 
@@ -139,7 +139,7 @@ class Exponential(Topology):
         self.offsets = sorted({(1 << k) % n for k in range(ceil_log2(n))} - {0})
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         n = self.world_size
         return _uniform(sorted((rank - o) % n for o in self.offsets),
                         sorted((rank + o) % n for o in self.offsets))
@@ -161,7 +161,7 @@ class OnePeerExponential(Topology):
                          period=max(1, ceil_log2(n)))
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         n = self.world_size
         if n == 1:
             return Peers(1.0, [], [])
@@ -208,7 +208,7 @@ class OnePeerHypercube(Topology):
         return rank if self.world_size == 1 else rank ^ (1 << (step % self.period))
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         j = self.partner(rank, step)
         return Peers(1.0, [], []) if j == rank else Peers(0.5, [(j, 0.5)], [j])
 
@@ -236,7 +236,7 @@ class Torus(Topology):
         self.shape = torus_shape(self.world_size)
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         a, b = self.shape
         r, c = divmod(rank, b)
         nb = {((r + 1) % a) * b + c, ((r - 1) % a) * b + c, r * b + (c + 1) % b, r * b + (c - 1) % b}

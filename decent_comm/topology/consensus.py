@@ -21,9 +21,10 @@ def check_consensus_factor(a, context: str = "") -> float:
     1.0), nor a string (float("0.5") would let a typo'd config value train)."""
     if not is_real(a, tensor=True):
         raise ValueError(f"the consensus factor must be a number in [0, 1], got {describe(a)}{context}")
-    if not 0.0 <= float(a) <= 1.0:  # False for NaN
-        raise ValueError(f"the consensus factor must be in [0, 1], got {float(a)!r}{context}")
-    return float(a)
+    value = float(a)  # read once: of a CUDA tensor, each float() is a host synchronization (this runs every step)
+    if not 0.0 <= value <= 1.0:  # False for NaN
+        raise ValueError(f"the consensus factor must be in [0, 1], got {value!r}{context}")
+    return value
 
 
 class ConsensusTopology(Topology):
@@ -39,7 +40,7 @@ class ConsensusTopology(Topology):
 
     def peers(self, rank: int, step: int) -> Peers:
         if self.a == 0.0:  # no peers whatever the base's row is (Peers.mixed): it is not computed
-            self._check_rank(rank)
+            rank = self._check_rank(rank)
             return Peers(1.0, [], [])
         return self.base.peers(rank, step).mixed(self.a)
 

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .._args import integer
+from .._args import integer, real
 from .noise import noise_model
 
 if TYPE_CHECKING:
@@ -216,16 +216,19 @@ class ConsensusControl(Policy):
                  hold_while_lr_rises: bool = True,
                  target: Optional[Callable[[AdaptStats, "ConsensusControl"], float]] = None,
                  calibrate: bool = True):
+        # _args.real first: a bool passed the bare comparisons below as 1.0 or 0.0, a string raised TypeError
+        kappa, low, high = real(kappa, "kappa"), real(low, "low"), real(high, "high")
         if not kappa > 0:
             raise ValueError(f"kappa must be > 0, got {kappa}")
         if not 0 < low < high:
             raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
-        self.kappa, self.low, self.high = float(kappa), float(low), float(high)
+        self.kappa, self.low, self.high = kappa, low, high
         self.interval = integer(interval, "interval", low=1)  # inf raised OverflowError, 2.5 was truncated
         self.min_dwell = 2 * self.interval if min_dwell is None else integer(min_dwell, "min_dwell", low=0)
+        correlation = real(correlation, "correlation")
         if not 0.0 <= correlation < 1.0:
             raise ValueError(f"correlation must be in [0, 1), got {correlation}")
-        self.correlation = float(correlation)
+        self.correlation = correlation
         self.initial_choice = initial
         self.target = target
         self.calibrate = bool(calibrate)

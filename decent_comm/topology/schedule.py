@@ -77,7 +77,7 @@ class ScheduleTopology(Topology):
         return len(self._schedule())
 
     def peers(self, rank, step):
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         tables = self._schedule()
         s, recv, send = tables[step % len(tables)][rank]
         return Peers(s, list(recv), list(send))

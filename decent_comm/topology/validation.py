@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from .._args import integer
+
 #: The one round-off tolerance of the topology layer (absolute; weights lie in [0, 1]):
 #:
 #: * a weight in ``[-TOL, 0)`` is round-off of 0 and accepted; ``check_matrix`` (hence
@@ -54,14 +56,14 @@ def divisors(n: int) -> list[int]:
 
 def check_world_size(world_size) -> int:
     """Return ``world_size`` as an ``int`` in ``[1, MAX_WORLD_SIZE]``, else raise ``ValueError``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    # the shared rule (_args.integer), as Topology.peers' rank: an integer tensor was refused here, taken there
+    world_size = integer(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if world_size > MAX_WORLD_SIZE:
         raise ValueError(f"world_size={world_size} is larger than any job can use; topologies accept at most"
                          f" MAX_WORLD_SIZE = 2**24 = {MAX_WORLD_SIZE} ranks")
-    return int(world_size)
+    return world_size
 
 
 def resolve_local_world_size(world_size: int, local_world_size=None) -> int:
@@ -74,9 +76,7 @@ def resolve_local_world_size(world_size: int, local_world_size=None) -> int:
     """
     if local_world_size is None:
         return world_size
-    if isinstance(local_world_size, bool) or not isinstance(local_world_size, (int, np.integer)):
-        raise ValueError(f"local_world_size must be an integer, got {local_world_size!r}")
-    local_world_size = int(local_world_size)
+    local_world_size = integer(local_world_size, "local_world_size")  # the rule world_size follows
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(
             f"local_world_size={local_world_size} must be >= 1 and divide world_size={world_size}"
