@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from decent_train.cluster import EmulatedCluster, format_bits, parse_bandwidth_bits
+from decent_train.flag_sets import extra_flags_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -74,7 +75,7 @@ def layout(text: str):
 # --------------------------------------------------------------------------------------------- the jobs
 
 def run_flags(args, workload: str, optimizer: str, topology=None):
-    flags = list(WORKLOAD_DEFAULTS[workload]["script_flags"]) + list(args.extra_flags or [])
+    flags = list(WORKLOAD_DEFAULTS[workload]["script_flags"]) + extra_flags_for(optimizer, args.extra_flags or [])
     flags += ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
               "--seed", str(args.seed), "--optimizer", optimizer]
     if topology:

@@ -35,6 +35,7 @@ import time
 import ttt_configs
 from cluster import WORKLOAD_DEFAULTS, layout, mean_step_s, run_job, time_to_loss  # bench/, this directory
 from decent_train.cluster import format_bits, parse_bandwidth_bits
+from decent_train.flag_sets import extra_flags_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 log = logging.getLogger("time_to_target")
@@ -57,7 +58,8 @@ def make_plan(args, configs, out: str) -> dict:
         runs = []
         for seed in args.seeds:
             for cfg in configs:
-                argv = [*wl["script_flags"], *args.extra_flags, *cfg.flags, "--steps", str(cfg.steps),
+                extra = extra_flags_for(cfg.optimizer, args.extra_flags)  # DDP's run refuses the gossip flags
+                argv = [*wl["script_flags"], *extra, *cfg.flags, "--steps", str(cfg.steps),
                         "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every), "--seed", str(seed)]
                 runs.append({"name": f"{cfg.dir_name}.s{seed}", "argv": argv, "extra": "none",
                              "config": cfg.spec, "seed": seed})

@@ -1,7 +1,9 @@
 """The training harness that the examples, the benchmarks and the tests share. It lives in the source checkout
 and is not part of the decent_comm library (setup.py does not package it).
 
-    flags        command-line flags of every training script, and the defaults that depend on them
+    flags        command-line flags of every training script, the checks across them, and the defaults that
+                 depend on them (flag_sets: the decentralized-only ones, importable without torch)
+    cli          the scripts' parser and main(): bad input is one line and exit code 2, Ctrl-C exits 130
     distributed  joining torchrun's job (rank, world, device) and leaving it; rank-tagged logging
     strategy     the optimizer factory: DDP all-reduce baseline or a decent_comm optimizer
     lr_schedule  constant / cosine / warmup-cosine learning rate

@@ -15,12 +15,13 @@ import os
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Set
 
 import torch
 import torch.distributed as dist
 
 from .distributed import DistEnv
+from .flags import hyperparameters
 from .strategy import Strategy
 
 log = logging.getLogger("decent_train")
@@ -124,8 +125,9 @@ def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, schedule
     if ranks and max(ranks) + 1 != env.world_size:  # said by every rank, one without a file of its own too
         raise ValueError(f"{step_dir} was written by {max(ranks) + 1} ranks, this job has {env.world_size}: "
                          f"{OTHER_WORLD_SIZE}")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no checkpoint for rank {env.rank} in {step_dir}")
+    if not os.path.isfile(file):  # a CheckpointError (ValueError): the command line reports it in one line
+        raise CheckpointError(f"no checkpoint for rank {env.rank} in {step_dir}" + (
+            "" if ranks else " (it holds no rank files, nor a 'latest' naming a step directory that does)"))
     state = read_checkpoint(inside(file, step_dir), env.device)
     if state["world_size"] != env.world_size:
         raise ValueError(f"{step_dir} was written by {state['world_size']} ranks, this job has {env.world_size}: "
@@ -139,3 +141,33 @@ def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, schedule
     strategy.bytes_before = int(state.get("bytes_sent", 0))  # absent in checkpoints of earlier versions
     log.info("resumed from %s at step %d", step_dir, state["step"])
     return Progress(state["step"], state["train_time"], state["rows"])
+
+
+def _flag_value(value):
+    return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else float(value)
+
+
+def apply_resumed_hyperparameters(args, given: Set[str], optimizer, scheduler) -> List[str]:
+    """After load_checkpoint: the hyper-parameters given on this command line (`given`: lr, weight_decay, betas,
+    momentum; flags.hyperparameters says which the optimizer takes) replace the checkpoint's, as a torch recipe
+    applies a new lr to a loaded run (the loaded param groups and the scheduler's base_lrs had put the checkpoint's
+    back silently while the run's config named the flags); those not given keep the checkpoint's, and `args` is
+    set to them, so the config records what the run uses. The lr this step uses is recomputed from the base lr and
+    this command line's schedule. Returns "--flag old -> new" for each given value that differs."""
+    groups, changed = optimizer.param_groups, []
+    for key in hyperparameters(args.optimizer):
+        old = _flag_value(scheduler.base_lrs[0] if key == "lr" else groups[0][key])
+        if key not in given:
+            setattr(args, key, old)
+            continue
+        new = _flag_value(getattr(args, key))
+        if new != old:
+            changed.append(f"--{key.replace('_', '-')} {old} -> {new}")
+        for group in groups:
+            group["initial_lr" if key == "lr" else key] = new
+        if key == "lr":
+            scheduler.base_lrs = [new] * len(groups)
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR.get_lr computes it
+    scheduler._last_lr = [group["lr"] for group in groups]
+    return changed

@@ -54,8 +54,19 @@ def stdlib_files(max_bytes: int) -> Tuple[str, List[str]]:
     return root, chosen
 
 
+def min_corpus_bytes(val_every: int = 10) -> int:
+    """The smallest max_bytes that takes val_every files, so that one is held out: validation needs one."""
+    root = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py") and not n.startswith("_sysconfigdata"))
+    return sum(os.path.getsize(os.path.join(root, n)) for n in names[:val_every - 1]) + 1
+
+
 def load_stdlib_corpus(max_bytes: int = 3_000_000, val_every: int = 10) -> TextCorpus:
     root, names = stdlib_files(max_bytes)
+    if len(names) < val_every:  # no held-out file: torch.frombuffer refused the empty validation text
+        raise ValueError(f"{max_bytes} bytes of the standard library are {len(names)} files, and every "
+                         f"{val_every}th file is held out for validation: take at least {min_corpus_bytes(val_every)} "
+                         "bytes")
     # Held out by whole file (not a tail of the stream): validation measures generalization to unseen modules.
     val_names = names[val_every - 1::val_every]
     held = set(val_names)

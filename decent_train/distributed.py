@@ -54,6 +54,15 @@ def init_distributed(device: str = "auto") -> DistEnv:
     return env
 
 
+def job_world_size() -> int:
+    """The world size init_distributed will find, known before it joins: checks against it that fail then are said
+    before any rank connects (a rank failing right after joining closed its connections while another rank was
+    still in gloo's connectFullMesh, which then failed with a traceback)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def close_distributed(env: DistEnv):
     if env.owns_group and dist.is_initialized():
         dist.destroy_process_group()

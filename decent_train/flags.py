@@ -1,13 +1,22 @@
-"""Command-line flags every training script takes (the script adds its model and data flags), and the defaults
-that depend on the optimizer family, the world size or other flags."""
+"""Command-line flags every training script takes (the script adds its model and data flags), the checks across
+flags made right after parsing (check_flags), and the defaults that depend on the optimizer family, the world size
+or other flags (resolve_defaults)."""
 
 import argparse
 import inspect
-from typing import Dict
+import math
+import os
+from typing import Dict, Optional, Tuple
 
 import torch
 
 import decent_comm
+
+from .flag_sets import DECENTRALIZED_ONLY
+from .profiling import ACTIVE_STEPS, SKIP_STEPS, WARMUP_STEPS
+
+# The steps of a run --profile records (1-based): the profiler skips SKIP_STEPS, discards WARMUP_STEPS, then records.
+PROFILED = (SKIP_STEPS + WARMUP_STEPS + 1, SKIP_STEPS + WARMUP_STEPS + ACTIVE_STEPS)
 
 # name -> (decent_comm class, optimizer family). The family picks the default lr, betas and weight decay (see
 # resolve_defaults). AccumAdam has its own: its second moment is built from the mean gradient of each accumulation
@@ -16,23 +25,48 @@ FUSED = {"dsgd": ("DSGD", "sgd"), "dadam": ("DAdam", "adam"), "dadamw": ("DAdamW
          "accumadam": ("AccumAdam", "accum"), "accumadamw": ("AccumAdamW", "accum")}
 TORCH_OPTIMIZERS = {name.lower(): cls for name, cls in vars(torch.optim).items()
                     if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+# torch optimizers the loop cannot drive, refused by --optimizer with the reason. One whose step() needs a closure
+# (torch.optim.LBFGS) is found by its signature (not_drivable), so one torch adds later is refused too.
+NOT_DRIVABLE = {"sparseadam": "it takes sparse gradients only, and the example models' gradients are dense",
+                "muon": "it takes 2-D parameters only, and the example models also have biases, norm weights and (the "
+                        "classifier's) conv kernels"}
 # The runs whose lr and betas default to the all-reduce AdamW values translated by decentralized_adam_hparams
 # (AccumAdam(W), family "accum", too).
 DECENTRALIZED_ADAM = ("dadam", "dadamw", "decentralized-adam", "decentralized-adamw")
 ADAM_BETAS = (0.9, 0.999)
 
 
+def not_drivable(name: str) -> Optional[str]:
+    """Why the training loop cannot drive torch.optim's optimizer `name` (lower case), or None when it can."""
+    if name in NOT_DRIVABLE:
+        return NOT_DRIVABLE[name]
+    closure = inspect.signature(TORCH_OPTIMIZERS[name].step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return "its step() needs a closure that re-evaluates the loss, and the loop calls step() without one"
+    return None
+
+
+def drivable_torch_optimizers():
+    return sorted(n for n in TORCH_OPTIMIZERS if not_drivable(n) is None)
+
+
 def optimizer_name(value: str) -> str:
-    """argparse type: allreduce[-<torch optimizer>], a fused decent_comm optimizer, or decentralized-<torch optimizer>."""
+    """argparse type: allreduce[-<torch optimizer>], a fused decent_comm optimizer, or decentralized-<torch optimizer>;
+    a torch optimizer the loop cannot drive is refused with the reason (not left to fail at its first step)."""
     v = value.strip().lower()
     if v in FUSED or v == "allreduce":
         return v
     for prefix in ("allreduce-", "decentralized-"):
-        if v.startswith(prefix) and v[len(prefix):] in TORCH_OPTIMIZERS:
+        inner = v[len(prefix):]
+        if v.startswith(prefix) and inner in TORCH_OPTIMIZERS:
+            why = not_drivable(inner)
+            if why:
+                raise argparse.ArgumentTypeError(f"{value!r}: the training loop cannot drive "
+                                                 f"torch.optim.{TORCH_OPTIMIZERS[inner].__name__}: {why}")
             return v
     raise argparse.ArgumentTypeError(
         f"unknown optimizer {value!r}: use allreduce, allreduce-<torch optimizer>, {', '.join(FUSED)}, or "
-        f"decentralized-<torch optimizer> (torch optimizers: {', '.join(sorted(TORCH_OPTIMIZERS))})")
+        f"decentralized-<torch optimizer> (torch optimizers: {', '.join(drivable_torch_optimizers())})")
 
 
 def topology_name(value: str) -> str:
@@ -73,8 +107,8 @@ def count(least: int):
     return parse
 
 
-def number(least: float = 0.0, strictly: bool = False):
-    """argparse type: a float >= least (> least when strictly), NaN refused."""
+def number(least: float = 0.0, strictly: bool = False, most: Optional[float] = None):
+    """argparse type: a float >= least (> least when strictly) and <= most, NaN refused."""
     def parse(value: str) -> float:
         try:
             x = float(value)
@@ -82,30 +116,63 @@ def number(least: float = 0.0, strictly: bool = False):
             raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
         if not (x > least if strictly else x >= least):  # NaN fails both
             raise argparse.ArgumentTypeError(f"must be {'>' if strictly else '>='} {least:g}, got {value}")
+        if most is not None and not x <= most:
+            raise argparse.ArgumentTypeError(f"must be in [{least:g}, {most:g}], got {value}")
         return x
     return parse
 
 
+def _floats(value: str) -> Tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in value.split(","))
+    except ValueError:
+        return ()
+
+
+def betas_value(value: str) -> Tuple[float, float]:
+    """argparse type of --betas: 'BETA1,BETA2', two numbers in [0, 1) (argparse named a lambda for bad text, and one
+    number reached the optimizer as a traceback)."""
+    b = _floats(value)
+    if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+        raise argparse.ArgumentTypeError(f"expected BETA1,BETA2: two numbers in [0, 1), got {value!r}")
+    return b
+
+
+def straggler_value(value: str) -> Tuple[float, float]:
+    """argparse type of --straggler-ms: 'MEAN,STD' in milliseconds, or 'MEAN' (STD 0). A negative MEAN is allowed:
+    max(0, N(MEAN, STD)) then sleeps in some steps only."""
+    v = _floats(value)
+    if not 1 <= len(v) <= 2 or not all(math.isfinite(x) for x in v) or (len(v) == 2 and v[1] < 0):
+        raise argparse.ArgumentTypeError(f"expected MEAN,STD in milliseconds: finite numbers, STD >= 0 (MEAN alone: "
+                                         f"STD 0), got {value!r}")
+    return (v + (0.0,))[:2]
+
+
 def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: int, eval_every: int):
-    """The flags every example takes; the example adds its model and data flags."""
+    """The flags every example takes; the example adds its model and data flags. A flag whose default is None is
+    told apart from one given on the command line (check_flags refuses some combinations, a resumed run applies
+    the hyper-parameters given); resolve_defaults fills it."""
     g = parser.add_argument_group("optimization")
     g.add_argument("--optimizer", type=optimizer_name, default="dadamw",
                    help="allreduce (torch DDP + AdamW; allreduce-sgd etc. for another torch optimizer), "
                         f"{', '.join(FUSED)} (fused decent_comm optimizers), or decentralized-<torch optimizer> "
-                        "(decent_comm.Decentralized wrapping e.g. torch.optim.AdamW)")
-    g.add_argument("--topology", type=topology_name, default="one-peer-exp",
-                   help=f"gossip topology: {', '.join(decent_comm.topology.NAMES)}, or an adaptive spec: "
+                        "(decent_comm.Decentralized wrapping e.g. torch.optim.AdamW); torch optimizers: "
+                        f"{', '.join(drivable_torch_optimizers())}")
+    g.add_argument("--topology", type=topology_name, default=None,
+                   help=f"decentralized: gossip topology: {', '.join(decent_comm.topology.NAMES)}, or an adaptive spec: "
                         "adaptive:consensus:one-peer-exp,exp,complete[:kappa=1,interval=10] or "
-                        "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive)")
-    g.add_argument("--mode", choices=decent_comm.optim.MODES, default="awc",
-                   help="awc: communicate while adapting (exchange overlaps forward+backward; fastest when the network "
-                        "is the bottleneck); atc: adapt then combine (exchange overlaps the forward; better loss at "
-                        "equal steps, docs/quality_results.md)")
+                        "adaptive:phase:complete@0,one-peer-exp@100 (decent_comm.topology.adaptive) "
+                        "(default: one-peer-exp)")
+    g.add_argument("--mode", choices=decent_comm.optim.MODES, default=None,
+                   help="decentralized: awc: communicate while adapting (exchange overlaps forward+backward; fastest "
+                        "when the network is the bottleneck); atc: adapt then combine (exchange overlaps the forward; "
+                        "better loss at equal steps, docs/quality_results.md) (default: awc)")
     g.add_argument("--local-world-size", type=count(1), default=None,
-                   help="ranks per node for hierarchical topologies (aer); default: LOCAL_WORLD_SIZE from torchrun. "
-                        "Smaller than --nproc_per_node emulates several nodes on one machine")
-    g.add_argument("--consensus", type=consensus_value, default=1.0,
-                   help="consensus factor a in W -> (1-a) I + a W, or 'adaptive' (a follows the lr schedule after warmup)")
+                   help="decentralized: ranks per node for hierarchical topologies (aer); default: LOCAL_WORLD_SIZE "
+                        "from torchrun. Smaller than --nproc_per_node emulates several nodes on one machine")
+    g.add_argument("--consensus", type=consensus_value, default=None,
+                   help="decentralized: consensus factor a in W -> (1-a) I + a W, or 'adaptive' (a follows the lr "
+                        "schedule after warmup) (default: 1)")
     g.add_argument("--gossip-every", type=count(1), default=1,
                    help="decentralized: gossip every k-th step, local steps between (gossip_every; with --topology "
                         "complete: periodic averaging, one all-reduce of the parameters every k-th step)")
@@ -125,15 +192,22 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g.add_argument("--lr", type=number(), default=None,
                    help="peak learning rate (default: the example's all-reduce lr for the optimizer family; "
                         "decentralized Adam-family runs scale it by sqrt(n), AccumAdam by sqrt(n / K): "
-                        "decent_comm.decentralized_adam_hparams)")
+                        "decent_comm.decentralized_adam_hparams; a resumed run: the checkpoint's)")
     g.add_argument("--lr-schedule", choices=("constant", "cosine", "warmup-cosine"), default="warmup-cosine",
                    help="learning-rate schedule over --steps")
-    g.add_argument("--warmup", type=count(0), default=None, help="warmup steps of warmup-cosine (default: 30%% of --steps)")
-    g.add_argument("--min-lr-ratio", type=number(), default=0.1, help="cosine schedules decay to this fraction of --lr")
-    g.add_argument("--weight-decay", type=number(), default=None, help="weight decay (default: 0 for SGD, else 0.01)")
-    g.add_argument("--momentum", type=number(), default=0.9, help="SGD momentum (dsgd, allreduce-sgd, decentralized-sgd)")
-    g.add_argument("--betas", type=lambda s: tuple(float(b) for b in s.split(",")), default=None,
-                   help="Adam betas, 'beta1,beta2' (default 0.9,0.999; AccumAdam: per window, 0.9^K,0.999^K)")
+    g.add_argument("--warmup", type=count(0), default=None,
+                   help="linear lr warmup steps before the cosine decay of --lr-schedule warmup-cosine or cosine "
+                        "(default: 30%% of --steps for warmup-cosine, 0 for cosine; refused with constant)")
+    g.add_argument("--min-lr-ratio", type=number(0.0, most=1.0), default=0.1,
+                   help="cosine schedules decay to this fraction of --lr, in [0, 1]")
+    g.add_argument("--weight-decay", type=number(), default=None,
+                   help="weight decay (default: 0 for SGD, else 0.01; a resumed run: the checkpoint's)")
+    g.add_argument("--momentum", type=number(), default=None,
+                   help="SGD momentum, for dsgd, allreduce-sgd, decentralized-sgd only (default: 0.9; a resumed run: "
+                        "the checkpoint's)")
+    g.add_argument("--betas", type=betas_value, default=None, metavar="BETA1,BETA2",
+                   help="Adam betas, for the optimizers that take them (default: 0.9,0.999; AccumAdam: per window, "
+                        "0.9^K,0.999^K; a resumed run: the checkpoint's)")
     g.add_argument("--accum-steps", type=count(1), default=4, help="AccumAdam(W): steps per moment-accumulation window")
     g.add_argument("--grad-clip", type=number(), default=1.0,
                    help="clip the gradient norm (allreduce: of the averaged gradient; decentralized: of each rank's "
@@ -145,12 +219,16 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g.add_argument("--eval-every", type=count(1), default=eval_every,
                    help="validate the global-average model (and measure consensus distance) every N steps")
     g.add_argument("--log-every", type=count(1), default=10, help="record rank 0's training loss every N steps")
-    g.add_argument("--out", default=None, help="directory for the CSV/JSON logs and the PNG plot (rank 0)")
+    g.add_argument("--out", default=None,
+                   help="directory for the CSV/JSON logs and the PNG plot (rank 0) (default: none, no logs written)")
     g.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory: writes PATH/step_NNNNNNN/rank<r>.pt (one file per rank, replicas differ)")
+                   help="checkpoint directory: writes PATH/step_NNNNNNN/rank<r>.pt (one file per rank, replicas differ) "
+                        "(default: none, no checkpoints)")
     g.add_argument("--checkpoint-every", type=count(1), default=None, help="checkpoint every N steps (default: --eval-every)")
     g.add_argument("--resume", default=None,
-                   help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory")
+                   help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory; --lr, "
+                        "--weight-decay, --betas and --momentum given now replace the checkpoint's (default: none, "
+                        "start afresh)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar (it is off anyway when not a tty)")
 
     g = parser.add_argument_group("runtime")
@@ -158,11 +236,14 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="auto: cuda:LOCAL_RANK with nccl when CUDA is available, else cpu with gloo")
     g.add_argument("--threads", type=count(1), default=1, help="torch intra-op threads per rank (1: ranks share the cores)")
     g.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a torch.profiler trace of a few steps per rank to DIR/trace_rank<r>.json "
-                        "(decent_train/profiling.py; bench/trace_picture.py draws it)")
-    g.add_argument("--straggler-ms", type=lambda s: tuple(float(v) for v in s.split(",")), default=None,
+                   help=f"write a torch.profiler trace to DIR/trace_rank<r>.json of steps {PROFILED[0]}-{PROFILED[1]} "
+                        f"of this run ({SKIP_STEPS} skipped, {WARMUP_STEPS} warm-up; a run of {SKIP_STEPS + WARMUP_STEPS}"
+                        " steps or fewer would record nothing and is refused; decent_train/profiling.py; "
+                        "bench/trace_picture.py draws it) (default: off)")
+    g.add_argument("--straggler-ms", type=straggler_value, default=None,
                    metavar="MEAN,STD", help="straggler emulation: every rank sleeps max(0, N(MEAN, STD)) ms before "
-                                            "each step's forward (its own random stream; data is unchanged)")
+                                            "each step's forward (its own random stream; data is unchanged) "
+                                            "(default: off)")
     return parser
 
 
@@ -171,6 +252,65 @@ def optimizer_family(name: str) -> str:
         return FUSED[name][1]
     inner = name.split("-", 1)[1] if "-" in name else "adamw"
     return "sgd" if inner == "sgd" else "adam"
+
+
+def torch_class(name: str):
+    """The torch.optim class of allreduce[-X] / decentralized-X."""
+    return TORCH_OPTIMIZERS[name.split("-", 1)[1] if "-" in name else "adamw"]
+
+
+def torch_hyperparameters(cls) -> Tuple[str, ...]:
+    """The param-group hyper-parameters the flags set on torch optimizer class `cls`."""
+    accepted = inspect.signature(cls.__init__).parameters
+    names = ("lr",) + tuple(k for k in ("weight_decay", "betas") if k in accepted)
+    # other optimizers' "momentum" (RMSprop, ...) means something else than SGD's
+    return names + (("momentum",) if cls is torch.optim.SGD else ())
+
+
+def hyperparameters(name: str) -> Tuple[str, ...]:
+    """The param-group hyper-parameters (lr, weight_decay, betas, momentum: each the flag of that name) that
+    --optimizer `name` is built with, and that a resumed run applies again when they are given."""
+    if name in FUSED:
+        return ("lr", "weight_decay", "momentum" if name == "dsgd" else "betas")
+    return torch_hyperparameters(torch_class(name))
+
+
+def _not_a_directory(flag: str, path: Optional[str]):
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: it exists and is not a directory")
+
+
+def check_flags(args):
+    """The checks across flags that need no process group, made right after parsing (decent_train.cli), so that a
+    bad combination is one line before any rank starts. Flags given where they do not apply are refused, not
+    ignored: a comparison of recipes must not think they took effect. Paths are checked before the run writes to
+    them (--out naming a file failed at the first evaluation). ValueError naming the flag."""
+    name = args.optimizer
+    if name.startswith("allreduce"):
+        given = [flag for flag, dest, unset in DECENTRALIZED_ONLY if getattr(args, dest, unset) != unset]
+        if given:
+            why = ("DDP has no 8-bit gradient hook here; --bf16-wire compresses its gradients"
+                   if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
+            raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
+                             f"({why})")
+    taken = hyperparameters(name)
+    for key in ("weight_decay", "betas", "momentum"):
+        if getattr(args, key) is not None and key not in taken:
+            raise ValueError(f"--{key.replace('_', '-')}: --optimizer {name} does not take it (it takes "
+                             f"{', '.join('--' + k.replace('_', '-') for k in taken)})")
+    if args.warmup is not None and args.lr_schedule == "constant":
+        raise ValueError(f"--warmup {args.warmup}: --lr-schedule constant has no warmup (use cosine or warmup-cosine)")
+    if args.profile and args.steps <= SKIP_STEPS + WARMUP_STEPS:
+        raise ValueError(f"--profile records steps {PROFILED[0]}-{PROFILED[1]} of a run: --steps {args.steps} would "
+                         f"record nothing; give --steps {PROFILED[0]} or more")
+    for flag, path in (("--out", args.out), ("--checkpoint", args.checkpoint), ("--profile", args.profile)):
+        _not_a_directory(flag, path)
+    if args.resume is not None and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume}: no such directory (give a checkpoint directory or one of its "
+                         "step_NNNNNNN directories)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
 
 
 def resolve_defaults(args, lr_defaults: Dict[str, float], world_size: int = 1):
@@ -183,6 +323,9 @@ def resolve_defaults(args, lr_defaults: Dict[str, float], world_size: int = 1):
     if args.local_world_size is not None and world_size % args.local_world_size:
         raise ValueError(f"--local-world-size {args.local_world_size} does not divide the {world_size} ranks of this "
                          "job into nodes of equal size")
+    for dest, value in (("topology", "one-peer-exp"), ("mode", "awc"), ("consensus", 1.0), ("momentum", 0.9)):
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
     family = optimizer_family(args.optimizer)
     if family == "accum" or args.optimizer in DECENTRALIZED_ADAM:
         hp = decent_comm.decentralized_adam_hparams(lr_defaults["adam"], world_size,

@@ -3,7 +3,9 @@
 resume, the summary. Everything the demo compares is measured here in the same way for every optimizer.
 
 A workload supplies a `Task` builder and its all-reduce learning rates, and calls `run(args, build_task,
-lr_defaults)` with flags from `decent_train.flags.add_common_args`.
+lr_defaults)` with flags from `decent_train.flags.add_common_args`. A value refused while the run is set up is a
+`SetupError`, and Ctrl-C stops the run cleanly (`Interrupted`); decent_train.cli turns both into one line and an
+exit code.
 """
 
 import argparse
@@ -12,15 +14,18 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
-from typing import Callable, Dict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 import torch
 
-from .checkpoint import Progress, load_checkpoint, save_checkpoint
-from .distributed import DistEnv, close_distributed, init_distributed, rank_seed, setup_logging
-from .flags import resolve_defaults
+from .checkpoint import Progress, apply_resumed_hyperparameters, load_checkpoint, save_checkpoint
+from .distributed import DistEnv, close_distributed, init_distributed, job_world_size, rank_seed, setup_logging
+from .flags import PROFILED, resolve_defaults
 from .lr_schedule import make_lr_scheduler
 from .plot import plot_runs
 from .profiling import step_profiler, step_range
@@ -124,30 +129,137 @@ def summarize(args, task: Task, env: DistEnv, strategy: Strategy, progress: Prog
             "final_consensus_distance": last.get("consensus_distance"), "bytes_sent_mb": last.get("bytes_sent_mb")}
 
 
+class SetupError(ValueError):
+    """A value refused while the run is set up (the defaults, the task, the optimizer, the resume), after the flags
+    parsed: decent_train.cli reports it as one line and exit code 2, like a parse error. `rank`: the rank saying it;
+    `same_on_every_rank`: found from the flags and the world size alone, so every rank says the same."""
+
+    def __init__(self, message: str, rank: int = 0, same_on_every_rank: bool = False):
+        super().__init__(message)
+        self.rank, self.same_on_every_rank = rank, same_on_every_rank
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a signal decent_train.cli turns into KeyboardInterrupt) stopped the run at `step`. `released`:
+    the optimizer's shutdown and the process group's destruction finished within RELEASE_TIMEOUT_S."""
+
+    def __init__(self, step: int, released: bool):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.released = step, released
+
+
+# How long a stopped run waits for the optimizer's shutdown: a peer stopped too may leave an exchange in flight
+# unanswered, and torchrun kills a worker 30 s after asking it to stop.
+RELEASE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Job:
+    """What a run builds, filled as the set-up goes (what to release if it stops part-way)."""
+    args: argparse.Namespace
+    env: DistEnv
+    task: Optional[Task] = None
+    strategy: Optional[Strategy] = None
+    scheduler: object = None
+    generator: Optional[torch.Generator] = None
+    progress: Progress = field(default_factory=Progress)
+    runlog: Optional[RunLog] = None
+    config: Optional[dict] = None
+
+
+def set_up(job: Job, build_task, given):
+    """Builds the task, the optimizer and the schedule, and resumes; `given`: the hyper-parameters given on the
+    command line, which win over a checkpoint's."""
+    args, env = job.args, job.env
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizers also broadcast it)
+    job.task = build_task(args, env)
+    model = job.task.model.to(env.device)
+    job.strategy = build_strategy(args, model, env)
+    job.scheduler = make_lr_scheduler(job.strategy.optimizer, args)
+    job.generator = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
+    if args.resume:
+        job.progress = load_checkpoint(args.resume, env, model, job.strategy, job.scheduler, job.generator)
+        changed = apply_resumed_hyperparameters(args, given, job.strategy.optimizer, job.scheduler)
+        if changed:
+            log.info("resumed with this command line's hyper-parameters, not the checkpoint's: %s", "; ".join(changed))
+        if getattr(args, "profile", None) and args.steps - job.progress.step < PROFILED[0]:
+            log.warning("--profile: this run resumes at step %d of %d, too few steps left to record any (it records "
+                        "steps %d-%d of a run)", job.progress.step, args.steps, *PROFILED)
+    job.runlog = RunLog(args.out if env.is_main else None, job.task.item_name, job.progress.rows)
+    n_params = sum(p.numel() for p in model.parameters())
+    job.config = {**vars(args), "world_size": env.world_size, "parameters": n_params, "data": job.task.description}
+    log.info("%s | %d ranks on %s | %s, %.2fM parameters | %s%s", job.task.description, env.world_size, env.device,
+             type(model).__name__, n_params / 1e6, args.optimizer,
+             f" ({args.topology}, {args.mode})" if job.strategy.decentralized else " (DDP)")
+
+
+def ignore_further_interrupts():
+    """After the first Ctrl-C, SIGINT and SIGTERM are ignored for the rest of the process (an interrupted run is
+    ending it): the terminal's SIGINT reaches every worker, torchrun then forwards its own and may send SIGTERM,
+    and a second KeyboardInterrupt cut the shutdown short with a traceback. Until then SIGINT keeps Python's own
+    handler, which decent_comm's step() holds while it launches and updates the buckets (optim/interrupts.py)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
+def release(job: Job, timeout: float) -> bool:
+    """The optimizer's shutdown and the process group's destruction after the run stopped early, best effort and
+    bounded (on a thread, given `timeout` seconds): returns whether they finished. A decentralized optimizer not
+    shut down warned at exit about an exchange still in flight."""
+    def work():
+        try:
+            if job.strategy is not None:
+                job.strategy.shutdown()
+            close_distributed(job.env)
+        except Exception as e:  # noqa: BLE001 - the run is stopping anyway: say it, do not bury why it stopped
+            log.warning("shutdown after the run stopped failed: %s: %s", type(e).__name__, e)
+    thread = threading.Thread(target=work, name="decent_train-release", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning("the optimizer's shutdown did not finish within %g s; exiting without it", timeout)
+    return not thread.is_alive()
+
+
 def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defaults: Dict[str, float],
         stopwatch_cls=None) -> dict:
     """Trains, evaluating and checkpointing as the flags say; returns the summary (also in log.json).
-    stopwatch_cls (default Stopwatch) times the steps; a benchmark may pass one that synchronizes the ranks."""
+    stopwatch_cls (default Stopwatch) times the steps; a benchmark may pass one that synchronizes the ranks.
+    Raises SetupError for a value refused before the first step, Interrupted on Ctrl-C (after logging the step on
+    every rank and releasing the optimizer and the process group)."""
+    # The hyper-parameters given on the command line (None: not given) win over a checkpoint's on resume.
+    given = {k for k in ("lr", "weight_decay", "betas", "momentum") if getattr(args, k, None) is not None}
+    try:
+        resolve_defaults(args, lr_defaults, job_world_size())
+    except ValueError as e:
+        raise SetupError(" ".join(str(e).split()), int(os.environ.get("RANK", 0)), same_on_every_rank=True) from e
     env = init_distributed(args.device)
     setup_logging(env.rank)
-    torch.set_num_threads(args.threads)
-    resolve_defaults(args, lr_defaults, env.world_size)
-    torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizers also broadcast it)
-    task = build_task(args, env)
-    model = task.model.to(env.device)
-    strategy = build_strategy(args, model, env)
-    scheduler = make_lr_scheduler(strategy.optimizer, args)
-    generator = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
-    progress = Progress()
-    if args.resume:
-        progress = load_checkpoint(args.resume, env, model, strategy, scheduler, generator)
-    runlog = RunLog(args.out if env.is_main else None, task.item_name, progress.rows)
-    n_params = sum(p.numel() for p in model.parameters())
-    config = {**vars(args), "world_size": env.world_size, "parameters": n_params, "data": task.description}
-    log.info("%s | %d ranks on %s | %s, %.2fM parameters | %s%s", task.description, env.world_size, env.device,
-             type(model).__name__, n_params / 1e6, args.optimizer,
-             f" ({args.topology}, {args.mode})" if strategy.decentralized else " (DDP)")
+    job = Job(args, env)
+    try:
+        try:
+            set_up(job, build_task, given)
+        except ValueError as e:
+            raise SetupError(" ".join(str(e).split()), env.rank) from e
+        result = train(job, stopwatch_cls)
+    except SetupError:
+        release(job, RELEASE_TIMEOUT_S)
+        raise
+    except KeyboardInterrupt as e:
+        ignore_further_interrupts()
+        by = f" by {e}" if str(e).startswith("SIG") else ""  # decent_train.cli names SIGTERM
+        log.warning("interrupted%s at step %d of %d", by, job.progress.step, args.steps)
+        raise Interrupted(job.progress.step, release(job, RELEASE_TIMEOUT_S)) from None
+    job.strategy.shutdown()
+    close_distributed(env)
+    return result
 
+
+def train(job: Job, stopwatch_cls=None) -> dict:
+    args, env, task, strategy, progress = job.args, job.env, job.task, job.strategy, job.progress
+    runlog, scheduler, generator, model = job.runlog, job.scheduler, job.generator, job.task.model
     interval = Interval(env.device, task.items_per_batch * env.world_size, task.item_name)
     straggle = Straggler(getattr(args, "straggler_ms", None), args.seed, env.rank)
     with progress_bar(env, args, progress.step) as bar, \
@@ -186,17 +298,15 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
                 if bar is not None:
                     bar.set_postfix(loss=f"{row['train_loss']:.3f}")
                 if do_eval:  # rewritten at every evaluation, so a killed run keeps its log
-                    runlog.write(config, summarize(args, task, env, strategy, progress))
+                    runlog.write(job.config, summarize(args, task, env, strategy, progress))
             if do_ckpt:
                 save_checkpoint(args.checkpoint, env, model, strategy, scheduler, generator, progress)
             watch.start()  # evaluation and checkpointing are not training time
 
     result = summarize(args, task, env, strategy, progress)
-    runlog.write(config, result)
+    runlog.write(job.config, result)
     if env.is_main and args.out:
         plot_runs({args.optimizer: runlog.rows}, os.path.join(args.out, "loss.png"),
                   title=f"{task.description} ({env.world_size} ranks)")
     log.info("done: %s", json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in result.items()}))
-    strategy.shutdown()
-    close_distributed(env)
     return result

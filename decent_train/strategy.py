@@ -3,7 +3,6 @@
 one interface the training loop talks to."""
 
 import contextlib
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -11,7 +10,7 @@ import torch.distributed as dist
 import decent_comm
 
 from .distributed import DistEnv
-from .flags import FUSED, TORCH_OPTIMIZERS
+from .flags import FUSED, hyperparameters, torch_class, torch_hyperparameters
 
 
 class Strategy:
@@ -74,16 +73,8 @@ class Strategy:
 
 
 def torch_optimizer(cls, params, args):
-    """cls(params, lr, ...) with the hyper-parameters from the flags that cls accepts."""
-    accepted = inspect.signature(cls.__init__).parameters
-    kw = {"lr": args.lr}
-    if "weight_decay" in accepted:
-        kw["weight_decay"] = args.weight_decay
-    if cls is torch.optim.SGD:  # other optimizers' "momentum" (RMSprop, ...) means something else
-        kw["momentum"] = args.momentum
-    if "betas" in accepted:
-        kw["betas"] = args.betas
-    return cls(params, **kw)
+    """cls(params, lr, ...) with the hyper-parameters from the flags that cls accepts (flags.torch_hyperparameters)."""
+    return cls(params, **{k: getattr(args, k) for k in torch_hyperparameters(cls)})
 
 
 def _consensus(args):
@@ -111,7 +102,7 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
                    if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
             raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
                              f"({why})")
-        cls = TORCH_OPTIMIZERS[name.split("-", 1)[1] if "-" in name else "adamw"]
+        cls = torch_class(name)
         forward = model
         if env.distributed:
             forward = torch.nn.parallel.DistributedDataParallel(
@@ -129,15 +120,11 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
                    warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix)
     if name in FUSED:
         cls = getattr(decent_comm, FUSED[name][0])
-        kw = dict(lr=args.lr, weight_decay=args.weight_decay, **options)
-        if name == "dsgd":
-            kw["momentum"] = args.momentum
-        else:
-            kw["betas"] = args.betas
+        kw = {**{k: getattr(args, k) for k in hyperparameters(name)}, **options}
         if name.startswith("accum"):
             kw["accum_steps"] = args.accum_steps
         opt = cls(model.parameters(), **kw)
     else:
-        inner = torch_optimizer(TORCH_OPTIMIZERS[name.split("-", 1)[1]], model.parameters(), args)
+        inner = torch_optimizer(torch_class(name), model.parameters(), args)
         opt = decent_comm.Decentralized(inner, **options)
     return Strategy(opt, model, decentralized=True)

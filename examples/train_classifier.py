@@ -14,7 +14,9 @@ import sys
 # the decent_train harness. First on the path, so the checkout is what runs even where another copy is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from decent_train.workloads import digits  # noqa: E402
-
 if __name__ == "__main__":
-    digits.main()
+    try:  # Ctrl-C while importing torch and decent_comm (seconds): exit 130 without a traceback
+        from decent_train.workloads import digits
+    except KeyboardInterrupt:
+        sys.exit(130)
+    digits.main()  # bad input: one line and exit code 2; Ctrl-C in training: exit 130 (decent_train/cli.py)

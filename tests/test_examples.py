@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from decent_train.flags import consensus_value, optimizer_family, optimizer_name, resolve_defaults, topology_name
 from decent_train.lr_schedule import make_lr_scheduler
@@ -105,7 +106,6 @@ def test_decentralized_adam_defaults_follow_the_lr_rule():
 
 
 def test_lr_schedules():
-    import torch
     for kind, first, last in (("constant", 1.0, 1.0), ("cosine", 1.0, 0.1), ("warmup-cosine", 0.25, 0.1)):
         args = argparse.Namespace(steps=20, warmup=4 if kind == "warmup-cosine" else 0, min_lr_ratio=0.1, lr_schedule=kind)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -121,10 +121,12 @@ def test_lr_schedules():
 
 def test_train_lm_decentralized_logs_and_resume(tmp_path):
     """6 steps of DAdamW with checkpoints at steps 3 and 6, then a second job resumed from step 3: it must
-    reproduce steps 4-6 of the first exactly (same replicas, optimizer state, data streams, gossip phase)."""
+    reproduce steps 4-6 of the first exactly (same replicas, optimizer state, data streams, gossip phase), with
+    the first job's --lr and --betas, which it is not given again, recorded in its config as the ones used."""
     out, ck = str(tmp_path / "run"), str(tmp_path / "ck")
     flags = ["--optimizer", "dadamw", "--steps", "6", "--eval-every", "3", "--log-every", "1", *LM_TINY]
-    torchrun("train_lm.py", [*flags, "--out", out, "--checkpoint", ck, "--checkpoint-every", "3"])
+    torchrun("train_lm.py", [*flags, "--out", out, "--checkpoint", ck, "--checkpoint-every", "3", "--lr", "2e-3",
+                             "--betas", "0.8,0.99"])
     full = read_log(out)
     assert full["summary"]["steps"] == 6 and full["config"]["world_size"] == 2
     assert [r["step"] for r in full["rows"]] == [1, 2, 3, 4, 5, 6]
@@ -150,6 +152,24 @@ def test_train_lm_decentralized_logs_and_resume(tmp_path):
     assert sorted(sent) == sorted(again) == [3, 6] and again[3] == sent[3] > 0
     per_round = (sent[6] - sent[3]) / 3
     assert again[6] == pytest.approx(sent[6] + per_round) and resumed["summary"]["bytes_sent_mb"] == again[6]
+    # What the resumed run used, not its own defaults (3e-3 * sqrt(2), 0.9,0.999), is what its config says.
+    assert (resumed["config"]["lr"], resumed["config"]["betas"]) == (2e-3, [0.8, 0.99])
+
+    # --lr and --weight-decay given on resume replace the checkpoint's (they were restored over the flags
+    # silently, while the config named the flags), on the same warmup-cosine schedule.
+    changed_out = str(tmp_path / "changed")
+    proc = torchrun("train_lm.py", [*flags, "--out", changed_out, "--resume", os.path.join(ck, "step_0000003"),
+                                    "--lr", "1e-4", "--weight-decay", "0.05"])
+    assert "--lr 0.002 -> 0.0001; --weight-decay 0.01 -> 0.05" in proc.stderr
+    changed = read_log(changed_out)
+    c = changed["config"]
+    assert (c["lr"], c["weight_decay"], c["betas"]) == (1e-4, 0.05, [0.8, 0.99])
+    args = argparse.Namespace(steps=6, warmup=1, min_lr_ratio=0.1, lr_schedule="warmup-cosine")  # the run's
+    factor = make_lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), args).lr_lambdas[0]
+    lrs = {r["step"]: r["lr"] for r in changed["rows"]}
+    assert [lrs[s] for s in (1, 2, 3)] == [r["lr"] for r in full["rows"][:3]]  # the first job's rows
+    assert [lrs[s] for s in (4, 5, 6)] == pytest.approx([1e-4 * factor(s - 1) for s in (4, 5, 6)], rel=1e-12)
+    assert changed["rows"][-1]["val_loss"] != full["rows"][-1]["val_loss"]
 
 
 def test_train_lm_allreduce(tmp_path):
@@ -192,8 +212,6 @@ def test_train_lm_profile_trace(tmp_path, mode):
 def test_cadence_flags_reach_the_optimizer(optimizer):
     """--gossip-every / --warmup-steps / --delayed-mix build the optimizer's communication interval (fused and
     wrapper)."""
-    import torch
-
     from decent_train.distributed import DistEnv
     from decent_train.strategy import build_strategy
 
@@ -208,25 +226,30 @@ def test_cadence_flags_reach_the_optimizer(optimizer):
 
 @pytest.mark.parametrize("flags", [["--gossip-every", "2"], ["--warmup-steps", "3"], ["--delayed-mix"],
                                    ["--int8-wire"]])
-def test_decentralized_flags_are_refused_for_allreduce(flags):
-    """Not ignored: DDP would run as if they had not been given, and a comparison of recipes would not know it."""
-    import torch
-
+def test_decentralized_flags_are_refused_for_allreduce(flags, capsys):
+    """Not ignored: DDP would run as if they had not been given, and a comparison of recipes would not know it.
+    The command line refuses them (tests/test_example_cli.py: the other decentralized-only flags too), and so does
+    build_strategy for flags parsed without its checks."""
     from decent_train.distributed import DistEnv
+    from decent_train.flags import add_common_args
     from decent_train.strategy import build_strategy
 
-    args = resolve_defaults(lm.parse_args(["--optimizer", "allreduce", *flags]), lm.LR_DEFAULTS, 1)
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--optimizer", "allreduce", *flags])
+    said = capsys.readouterr().err
+    assert f"{flags[0]}: for the decentralized optimizers only" in said
+    assert ("8-bit" in said) == (flags[0] == "--int8-wire")  # its advice was given for every flag
+    parser = add_common_args(argparse.ArgumentParser(), steps=4, batch_size=2, eval_every=2)
+    args = resolve_defaults(parser.parse_args(["--optimizer", "allreduce", *flags]), lm.LR_DEFAULTS, 1)
     with pytest.raises(ValueError, match=f"{flags[0]}: for the decentralized optimizers only") as refused:
         build_strategy(args, torch.nn.Linear(3, 2), DistEnv())
-    assert ("8-bit" in str(refused.value)) == (flags[0] == "--int8-wire")  # its advice was given for every flag
+    assert ("8-bit" in str(refused.value)) == (flags[0] == "--int8-wire")
 
 
 def test_race_specs_build_what_they_say():
     """bench/ttt_configs.py's specs (the races of docs/time_to_target.md) become train_lm flags that build the
     optimizer they name: the README's slow-link recipe and periodic averaging."""
     import importlib.util
-
-    import torch
 
     from decent_train.distributed import DistEnv
     from decent_train.strategy import build_strategy

@@ -15,9 +15,8 @@ import argparse
 
 import torch.nn as nn
 
-from .. import data
+from .. import cli, data
 from ..flags import add_common_args, count
-from ..loop import run
 from ..task import Task
 
 LR_DEFAULTS = {"adam": 3e-3, "sgd": 0.05}
@@ -43,14 +42,18 @@ def build_task(args, env) -> Task:
         items_per_batch=args.batch_size, item_name="samples", report_accuracy=True, description=ds.describe())
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.make_parser(__doc__)
     add_common_args(parser, steps=1000, batch_size=16, eval_every=100)
     g = parser.add_argument_group("model")
     g.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="network")
     g.add_argument("--width", type=count(1), default=16, help="channels of the first conv layer (MLP: hidden / 4)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return cli.parse(build_parser(), argv)
 
 
 def main(argv=None) -> dict:
-    return run(parse_args(argv), build_task, LR_DEFAULTS)
+    return cli.main(parse_args, build_task, LR_DEFAULTS, argv)

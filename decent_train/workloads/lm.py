@@ -22,9 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import data
+from .. import cli, data
 from ..flags import add_common_args, count, number
-from ..loop import run
 from ..task import Task
 
 VOCAB = 256  # bytes
@@ -93,6 +92,12 @@ class GPT(nn.Module):
 
 def build_task(args, env) -> Task:
     corpus = data.load_stdlib_corpus(int(args.corpus_mb * 1e6))
+    # ValueErrors naming the flags (decent_train.cli: one line): a window longer than the text left random_windows
+    # an empty range and the validation set empty (its loss NaN).
+    for part, text in (("training", corpus.train), ("held-out", corpus.val)):
+        if len(text) <= args.seq_len + 1:
+            raise ValueError(f"--seq-len {args.seq_len} is longer than the {part} text of --corpus-mb "
+                             f"{args.corpus_mb:g} ({len(text)} bytes): give a shorter --seq-len or a larger --corpus-mb")
     model = GPT(args.layers, args.d_model, args.heads, args.seq_len)
     val = data.eval_windows(corpus.val, args.seq_len, args.eval_tokens, args.batch_size, env.rank, env.world_size)
     return Task(
@@ -102,8 +107,21 @@ def build_task(args, env) -> Task:
         description=corpus.describe())
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def check_args(args):
+    """The model and data flags against each other (ValueError naming them; cli.parse makes it one line)."""
+    if args.d_model % args.heads:
+        raise ValueError(f"--heads {args.heads} does not divide --d-model {args.d_model}")
+    if args.eval_tokens < args.seq_len:  # no whole window to score: the validation loss was NaN
+        raise ValueError(f"--eval-tokens {args.eval_tokens} is less than --seq-len {args.seq_len}: validation scores "
+                         f"whole windows of --seq-len bytes; give --eval-tokens {args.seq_len} or more")
+    least = data.min_corpus_bytes()
+    if int(args.corpus_mb * 1e6) < least:  # no held-out file
+        raise ValueError(f"--corpus-mb {args.corpus_mb:g} takes fewer than 10 files of the standard library, and every "
+                         f"10th is held out for validation: give --corpus-mb {math.ceil(least / 1e4) / 100:g} or more")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.make_parser(__doc__)
     add_common_args(parser, steps=300, batch_size=16, eval_every=50)
     g = parser.add_argument_group("model and data")
     g.add_argument("--layers", type=count(1), default=2, help="transformer blocks")
@@ -112,9 +130,14 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=count(1), default=64, help="context length in bytes")
     g.add_argument("--corpus-mb", type=number(0, strictly=True), default=3.0,
                    help="megabytes of stdlib source to use (train + held-out)")
-    g.add_argument("--eval-tokens", type=count(1), default=65536, help="held-out bytes scored at each evaluation")
-    return parser.parse_args(argv)
+    g.add_argument("--eval-tokens", type=count(1), default=65536,
+                   help="held-out bytes scored at each evaluation (at least --seq-len)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return cli.parse(build_parser(), argv, check_args)
 
 
 def main(argv=None) -> dict:
-    return run(parse_args(argv), build_task, LR_DEFAULTS)
+    return cli.main(parse_args, build_task, LR_DEFAULTS, argv)

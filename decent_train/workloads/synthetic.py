@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from decent_comm.runtime_model.units import parse_count
 
+from .. import cli
 from ..flags import add_common_args, count, number
-from ..loop import run
 from ..task import Task
 
 # Peak lr: Adam family from {1e-3, 2e-3, 4e-3, 8e-3} (250k parameters, 4 ranks x batch 8, 60 steps; final validation
@@ -120,18 +120,22 @@ def build_task(args, env) -> Task:
                                    f"parameters, {args.compute_ms:g} ms of sleep compute per step")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.make_parser(__doc__)
     add_common_args(parser, steps=100, batch_size=8, eval_every=20)
     g = parser.add_argument_group("synthetic model")
-    g.add_argument("--params", type=parse_count, default=1e6, help="parameters (e.g. 1M, 250k)")
+    g.add_argument("--params", type=parse_count, default=1e6, help="parameters (e.g. 1M, 250k) (default: 1M)")
     g.add_argument("--layers", type=count(1), default=4, help="square blocks (DDP buckets form along them)")
     g.add_argument("--classes", type=count(2), default=4, help="teacher classes")
     g.add_argument("--compute-ms", type=number(), default=100.0,
                    help="forward + backward time per step (sleep; 1/3 forward, 2/3 backward)")
     g.add_argument("--eval-samples", type=count(1), default=1024, help="validation samples (all ranks together)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return cli.parse(build_parser(), argv)
 
 
 def main(argv=None) -> dict:
-    return run(parse_args(argv), build_task, LR_DEFAULTS)
+    return cli.main(parse_args, build_task, LR_DEFAULTS, argv)
