@@ -16,6 +16,20 @@ def make_model(seed):
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
 
 
+def state_test_model(seed=0):
+    """The single-process state tests' model (test_optim_dcp_migration, test_optim_torch_conventions)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def step_on_seeded_grads(m, opt, t):
+    """One opt.step() on gradients drawn from a generator seeded by the step t, the same for every optimizer."""
+    g = torch.Generator().manual_seed(100 + t)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
 def batch(rank, t):
     g = torch.Generator().manual_seed(1000 * rank + t)
     return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import decent_comm
 
+from optim_cases import state_test_model as model, step_on_seeded_grads as step
+
 HP = dict(lr=0.01, weight_decay=0.1)
 PAIRS = {  # name: (ours, torch's)
     "SGD momentum": (lambda ps: decent_comm.DSGD(ps, momentum=0.9, **HP),
@@ -25,18 +27,6 @@ PAIRS = {  # name: (ours, torch's)
     "AdamW": (lambda ps: decent_comm.DAdamW(ps, **HP), lambda ps: torch.optim.AdamW(ps, **HP)),
     "Adam": (lambda ps: decent_comm.DAdam(ps, **HP), lambda ps: torch.optim.Adam(ps, **HP)),
 }
-
-
-def model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-
-
-def step(m, opt, t):
-    g = torch.Generator().manual_seed(100 + t)
-    for p in m.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
 
 
 def save(m, opt, where):

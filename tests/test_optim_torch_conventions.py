@@ -11,6 +11,8 @@ import torch
 
 import decent_comm
 
+from optim_cases import state_test_model as model, step_on_seeded_grads as step
+
 HP = dict(lr=0.01, weight_decay=0.1)
 CASES = {  # name: (decentralized, its torch counterpart)
     "DAdamW": (lambda ps, **kw: decent_comm.DAdamW(ps, **HP, **kw), lambda ps: torch.optim.AdamW(ps, **HP)),
@@ -28,18 +30,6 @@ def notes():
     the parameters', which torch keeps as it is too)."""
     return {"flag": True, "count": 3, "rate": 2.5, "none": None, "name": "abc", "seq": [1, 2.5],
             "meta": {"a": 1, "t": torch.ones(2)}, "scalar": torch.tensor(2.0), "vec": torch.arange(3.0), 99: "beyond"}
-
-
-def model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-
-
-def step(m, opt, t):
-    g = torch.Generator().manual_seed(100 + t)
-    for p in m.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
 
 
 def others(mapping):
