@@ -112,8 +112,52 @@ def test_ranks_resumed_from_checkpoints_of_different_steps_are_stopped_on_every_
 def test_a_refused_load_caught_on_one_rank_is_stopped_at_the_first_step(variant):
     results = run_ranks(_resume, 3, variant, "refused", timeout=180)
     _assert_refused_everywhere(results, ["rank 0: step 6, after load_state_dict",
-                                         "rank 1: step 0, no state_dict loaded",
+                                         "rank 1: step 0, after a refused load_state_dict",
                                          "rank 2: step 6, after load_state_dict"])
+
+
+def _mid_run(rank, n, variant):
+    """3 steps, then every rank loads its own state_dict of that step, rank 1's edited to name another rank (refused,
+    caught), and 2 more steps; beside the same 5 steps without the loads."""
+    build = VARIANTS[variant]
+    runs = []
+    for load in (False, True):
+        model = make_model(0)
+        opt = build(model)
+        train_steps(rank, model, opt, 3)
+        refused = None
+        if load:
+            saved = torch.load(io.BytesIO(_saved(model, opt)), weights_only=True)["opt"]  # a copy, not live state
+            if rank == 1:
+                saved["param_groups"][0]["decentralized"]["rank"] = 0
+            try:
+                opt.load_state_dict(saved)
+                refused = False
+            except ValueError:
+                refused = True
+        try:
+            train_steps(rank, model, opt, 2, start=3)
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        opt.shutdown()
+        runs.append((outcome, refused, [p.detach().clone() for p in model.parameters()]))
+    return runs
+
+
+@pytest.mark.parametrize("variant", ["DAdamW-awc", "DAdamW-atc", "Decentralized(Adam)"])
+def test_a_load_refused_on_one_rank_mid_run_is_named_on_every_rank_at_the_next_step(variant):
+    """Every rank loads at step 3, rank 1's load refused and caught: the loads that went through restart the exchange
+    in flight and the refused one keeps it, so the next step raises on every rank, naming rank 1's refused load,
+    before anything of it runs. Before, rank 1 (which had stepped, so no agreement was due) went into the gossip
+    exchange while the others waited in the first-step agreement: all timed out (30 min at gloo's default). The run
+    without the loads trains on."""
+    for rank, (plain, loaded) in enumerate(run_ranks(_mid_run, 3, variant, timeout=180)):
+        assert plain[0] == "ok", (rank, plain[0])
+        assert loaded[1] is (rank == 1), (rank, loaded[1])
+        assert loaded[0].startswith("RuntimeError: ") and "was refused on some ranks" in loaded[0], (rank, loaded[0])
+        assert "rank 1: step 3, after a refused load_state_dict" in loaded[0], (rank, loaded[0])
+        assert "rank 0: step 3, after load_state_dict" in loaded[0], (rank, loaded[0])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -83,12 +83,20 @@ def _uneven_evaluations(sides) -> str:
 AGREE_STEP = "step(): agreeing with the other ranks on where the gossip schedule stands"
 
 
-def agree_on_step(all_reduce, step: int, loaded: bool) -> None:
-    """At a rank's first step after it built the optimizer or loaded a state_dict (`loaded`): returns when every rank
-    of the group is at schedule step `step` too, else raises RuntimeError on every rank naming each rank's step and
-    whether it loaded a state_dict. One all-reduce (BoundedAllReduce.agree); nothing of the step has run."""
-    try:
-        all_reduce.agree(AGREE_STEP, step, [], sub=int(loaded))
+#: What a rank last did to its schedule, as agree_on_step names it (the index is what it announces)
+_SINCE = ("no state_dict loaded", "after load_state_dict", "after a refused load_state_dict")
+
+
+def agree_on_step(all_reduce, step: int, since: str) -> None:
+    """At a rank's first step after it built the optimizer or loaded a state_dict: returns when every rank of the group
+    is at schedule step `step` too, else raises RuntimeError on every rank naming each rank's step and `since`: "built",
+    "loaded" or "refused" (a load_state_dict that raised, caught). One all-reduce (BoundedAllReduce.agree); nothing of
+    the step has run. A refused load beside loads that went through is refused too, at the same step: a load
+    restarts the exchange in flight (schedule_state.load_state_dict) and a refused one keeps it, so their rounds
+    would no longer pair up."""
+    try:  # the refusal is announced as a batch size, so that it is compared (`sub` only names a side)
+        all_reduce.agree(AGREE_STEP, step, [1] if since == "refused" else [],
+                         sub=("built", "loaded", "refused").index(since))
     except CollectiveMismatch as e:
         sides = e.sides
         if not all(v is None or v[0] == AGREE_STEP for v in sides.values()):  # another call on some rank
@@ -96,7 +104,13 @@ def agree_on_step(all_reduce, step: int, loaded: bool) -> None:
                                                "call step() equally often and the collective utilities together, and "
                                                "step its optimizers in the same order"), all_reduce.group) from e
         seen = "; ".join(f"rank {r}: " + ("(unknown)" if v is None else f"step {v[1]}, " + (
-            "after load_state_dict" if len(v) > 4 and v[4] else "no state_dict loaded")) for r, v in sides.items())
+            _SINCE[v[4] if len(v) > 4 and 0 <= v[4] < len(_SINCE) else 0])) for r, v in sides.items())
+        if len({v[1] for v in sides.values() if v is not None}) == 1 and None not in sides.values():
+            raise in_global_ranks(RuntimeError(
+                f"decent_comm: {AGREE_STEP}: a load_state_dict was refused on some ranks and went through on the "
+                f"others ({seen}): a load restarts the exchange in flight and a refused one keeps it, so their rounds "
+                "would not pair up. Nothing was stepped; load on every rank again (state_dicts every rank accepts), "
+                "or restart every rank from its checkpoint"), all_reduce.group) from e
         raise in_global_ranks(RuntimeError(
             f"decent_comm: {AGREE_STEP}: the ranks' gossip schedules stand at different steps ({seen}), so each would "
             "mix its neighbours' parameters of other steps. Every rank must resume from its own checkpoint of the same "

@@ -120,6 +120,9 @@ class StateDictMixin:
         state_dict_hooks.load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict):
+        # Any load, refused or not, has the next step agree where the ranks stand (schedule.agree_position): every
+        # rank loads together, and one that caught its refusal must meet the others whose loads went through.
+        self._schedule.note_load()
         groups = [dict(g) for g in state_dict["param_groups"]]
         extra = state_dict.pop(SCHEDULE_KEY, None)
         extra = groups[0].pop(SCHEDULE_KEY, extra) if groups else extra

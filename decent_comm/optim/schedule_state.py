@@ -291,8 +291,16 @@ class ScheduleCheckpoint:
             self._restore_wire_round(_wire_round_of(extra))
         self._agree_due = "loaded"
 
-    #: What load_state_dict sets (load_snapshot)
-    _LOADED = ("t", "_resume_factor", "_restored", "inflight", "pending", "_fresh", "_wire_restored", "_agree_due")
+    def note_load(self):
+        """A load_state_dict began (the optimizer's, before its checks): the next step agrees where the ranks stand,
+        whether the load goes through or is refused and caught (a rollback keeps this). Every rank loads together:
+        a rank whose load was refused at step 3 while the others' went through must meet them there, not go on into
+        the gossip exchange while they wait for the agreement (before: a stall until the timeout, 30 min on gloo's
+        default). "refused" until the load goes through (load_state_dict), and again if it is rolled back."""
+        self._agree_due = "refused"
+
+    #: What load_state_dict sets (load_snapshot); not _agree_due (note_load), which a rolled-back load keeps
+    _LOADED = ("t", "_resume_factor", "_restored", "inflight", "pending", "_fresh", "_wire_restored")
 
     def load_snapshot(self) -> Callable[[], None]:
         """A function that puts back what load_state_dict changes (the optimizer's LoadRollback, for a load that
@@ -308,6 +316,7 @@ class ScheduleCheckpoint:
         def restore():
             for k, v in attrs.items():
                 setattr(self, k, v)
+            self._agree_due = "refused"  # rolled back: the next step still agrees, this rank's load named refused
             if consensus is not None:
                 self.consensus.load_state_dict(consensus)
             if adaptive is not None:
@@ -325,7 +334,7 @@ class ScheduleCheckpoint:
         a refused load caught on one rank) gossiped with no error, each mixing its neighbours' parameters of other
         steps under its own schedule phase, until a collective utility noticed."""
         if self._agree_due and self.all_reduce is not None:
-            agree_on_step(self.all_reduce, self.t, loaded=self._agree_due == "loaded")
+            agree_on_step(self.all_reduce, self.t, self._agree_due)
         self._agree_due = None
 
     def _restore_wire_round(self, saved: Optional[dict]):
