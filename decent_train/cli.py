@@ -70,6 +70,13 @@ def parse(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Na
 def _terminate(signum, frame):
     # SIGTERM (torchrun's second request to stop, or a scheduler's) as Ctrl-C: the run logs the step and shuts the
     # optimizer down instead of dying in the middle of an exchange. SIGINT keeps Python's own handler (loop.py).
+    # Inside decent_comm's step(), which holds Ctrl-C until every bucket is launched and updated (its SIGINT handler
+    # then is HeldInterrupt's), SIGTERM is held the same way: raised at once, it stopped the step between two buckets,
+    # each rank at another, and the shutdown then waited on exchanges no peer had posted.
+    held = signal.getsignal(signal.SIGINT)
+    if held is not signal.default_int_handler and callable(held):
+        held(signal.SIGINT, frame)
+        return
     raise KeyboardInterrupt("SIGTERM")
 
 

@@ -212,3 +212,29 @@ def test_ctrl_c_stops_both_ranks_with_one_line_and_exit_code_130(tmp_path):
     for rank, out in enumerate(outs):
         assert re.search(rf"\[rank {rank}\] WARNING decent_train: interrupted at step \d+ of 1000000", out)
         assert "Traceback" not in out and "KeyboardInterrupt" not in out and "Exchanger destroyed" not in out, out
+
+
+def test_sigterm_inside_a_step_is_held_as_ctrl_c_is():
+    """decent_comm's step() holds Ctrl-C until every bucket is launched (optim/interrupts.HeldInterrupt); the
+    examples' SIGTERM handler raised at once, between two buckets. Now SIGTERM is held there too, and raised as
+    Ctrl-C once the block is done; outside a step it still raises at once."""
+    from decent_comm.optim.interrupts import HeldInterrupt
+    from decent_train.cli import _terminate
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            launched = []
+            with pytest.raises(KeyboardInterrupt):
+                with HeldInterrupt():
+                    launched.append("bucket 0")
+                    os.kill(os.getpid(), sig)
+                    for _ in range(1000):  # bytecode boundaries, where Python runs signal handlers
+                        pass
+                    launched.append("bucket 1")
+            assert launched == ["bucket 0", "bucket 1"], (signal.Signals(sig).name, launched)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
