@@ -147,13 +147,16 @@ def _flag_value(value):
     return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else float(value)
 
 
-def apply_resumed_hyperparameters(args, given: Set[str], optimizer, scheduler) -> List[str]:
+def apply_resumed_hyperparameters(args, given: Set[str], optimizer, scheduler, consensus=None) -> List[str]:
     """After load_checkpoint: the hyper-parameters given on this command line (`given`: lr, weight_decay, betas,
     momentum; flags.hyperparameters says which the optimizer takes) replace the checkpoint's, as a torch recipe
     applies a new lr to a loaded run (the loaded param groups and the scheduler's base_lrs had put the checkpoint's
     back silently while the run's config named the flags); those not given keep the checkpoint's, and `args` is
     set to them, so the config records what the run uses. The lr this step uses is recomputed from the base lr and
-    this command line's schedule. Returns "--flag old -> new" for each given value that differs."""
+    this command line's schedule. `consensus`: the run's AdaptiveConsensus, whose reference (the peak lr it loaded)
+    is scaled with a new lr, so that the factor follows the new schedule as it followed the old (kept, a peak of
+    2e-3 under --lr 1e-4 made the factor 1.25e-4 where a fresh run has 1.0: gossip nearly off). Returns
+    "--flag old -> new" for each given value that differs."""
     groups, changed = optimizer.param_groups, []
     for key in hyperparameters(args.optimizer):
         old = _flag_value(scheduler.base_lrs[0] if key == "lr" else groups[0][key])
@@ -167,6 +170,8 @@ def apply_resumed_hyperparameters(args, given: Set[str], optimizer, scheduler) -
             group["initial_lr" if key == "lr" else key] = new
         if key == "lr":
             scheduler.base_lrs = [new] * len(groups)
+            if consensus is not None and consensus.lr_peak is not None and old > 0:
+                consensus.lr_peak *= new / old
     for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR.get_lr computes it
     scheduler._last_lr = [group["lr"] for group in groups]

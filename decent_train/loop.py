@@ -180,7 +180,8 @@ def set_up(job: Job, build_task, given):
     job.generator = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
     if args.resume:
         job.progress = load_checkpoint(args.resume, env, model, job.strategy, job.scheduler, job.generator)
-        changed = apply_resumed_hyperparameters(args, given, job.strategy.optimizer, job.scheduler)
+        changed = apply_resumed_hyperparameters(args, given, job.strategy.optimizer, job.scheduler,
+                                                job.strategy.consensus)
         if changed:
             log.info("resumed with this command line's hyper-parameters, not the checkpoint's: %s", "; ".join(changed))
         if getattr(args, "profile", None) and args.steps - job.progress.step < PROFILED[0]:

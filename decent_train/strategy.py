@@ -22,6 +22,7 @@ class Strategy:
         self.forward_module = forward_module   # what training calls (the DDP wrapper for all-reduce)
         self.decentralized = decentralized
         self.bytes_before = 0  # bytes this rank sent in the runs a resumed job continues (its checkpoint's)
+        self.consensus = None  # the AdaptiveConsensus given to the optimizer (--consensus adaptive), if any
 
     def eval_context(self):
         """Evaluation sees the exact global average of the replicas (a collective for decentralized runs;
@@ -115,7 +116,8 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     # Ranks per node: --local-world-size (emulated nodes), else torchrun's LOCAL_WORLD_SIZE (env.local_world_size).
     local = args.local_world_size if args.local_world_size is not None else env.local_world_size
     topology = decent_comm.topology.make(args.topology, env.world_size, local_world_size=local)
-    options = dict(topology=topology, mode=args.mode, consensus=_consensus(args), model=model,
+    consensus = _consensus(args)
+    options = dict(topology=topology, mode=args.mode, consensus=consensus, model=model,
                    comm_dtype=_wire_dtype(args), gossip_every=args.gossip_every,
                    warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix)
     if name in FUSED:
@@ -127,4 +129,6 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     else:
         inner = torch_optimizer(torch_class(name), model.parameters(), args)
         opt = decent_comm.Decentralized(inner, **options)
-    return Strategy(opt, model, decentralized=True)
+    strategy = Strategy(opt, model, decentralized=True)
+    strategy.consensus = consensus if isinstance(consensus, decent_comm.AdaptiveConsensus) else None
+    return strategy

@@ -238,3 +238,26 @@ def test_sigterm_inside_a_step_is_held_as_ctrl_c_is():
                 pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_new_lr_on_resume_scales_the_adaptive_consensus_reference():
+    """--consensus adaptive resumed with --lr: the AdaptiveConsensus reference (the checkpoint's peak lr) scales with
+    the lr, so the factor at the new schedule's point is the old schedule's (kept, a peak of 2e-3 under --lr 1e-4
+    made the factor 1.25e-4 where a fresh run at 1e-4 has 1.0: gossip nearly off)."""
+    import argparse
+
+    import decent_comm
+    from decent_train.checkpoint import apply_resumed_hyperparameters
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=2e-3, weight_decay=0.01)  # the checkpoint's groups, as loaded
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    consensus = decent_comm.AdaptiveConsensus()
+    consensus.load_state_dict({"lr_at_start": 2e-3})
+    fresh = decent_comm.AdaptiveConsensus()
+    fresh.factor(0, 1e-4)  # its peak from its first step at the new lr
+    args = argparse.Namespace(optimizer="dadamw", lr=1e-4, weight_decay=None, betas=None)
+    changed = apply_resumed_hyperparameters(args, {"lr"}, opt, scheduler, consensus)
+    assert changed == ["--lr 0.002 -> 0.0001"]
+    assert consensus.lr_peak == pytest.approx(1e-4)
+    assert consensus.factor(1000, 1e-4) == pytest.approx(fresh.factor(1000, 1e-4)) == pytest.approx(1.0)
+    assert consensus.factor(1000, 5e-5) == pytest.approx(fresh.factor(1000, 5e-5))
