@@ -83,6 +83,10 @@ ENTRY_CASES = {
     "no step": (lambda sd: _entry(sd).pop("step"), r"lacks \['step'\]"),
     "step 'x'": (lambda sd: _entry(sd).__setitem__("step", "x"), r"has step 'x', not a number of optimizer steps"),
     "step -5": (lambda sd: _entry(sd).__setitem__("step", -5), r"has step -5, not a number of optimizer steps"),
+    # beyond int64, the ops' step argument (2**70 loaded, to fail in a later op), or float's range (OverflowError)
+    "step 2**70": (lambda sd: _entry(sd).__setitem__("step", 2 ** 70), r"has step 1180591620717411303424, not a"),
+    "step 10**400": (lambda sd: _entry(sd).__setitem__("step", 10 ** 400), r"has step 1000000000000.*, not a"),
+    "next_factor 10**400": (lambda sd: _entry(sd).__setitem__("next_factor", 10 ** 400), r"has next_factor 1000000"),
     "step 2.5": (lambda sd: _entry(sd).__setitem__("step", 2.5), r"has step 2\.5, not a number of optimizer steps"),
     "no topology": (lambda sd: _entry(sd).pop("topology"), r"lacks \['topology'\]"),
     "entry a list": (lambda sd: sd["param_groups"][0].__setitem__("decentralized", [2, 1]), r"is a list, not the dict"),

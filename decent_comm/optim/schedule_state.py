@@ -7,13 +7,13 @@ into GossipSchedule, whose attributes it reads."""
 import copy
 import logging
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Callable, Optional
 
 import torch
 
 from .. import ops
+from .._args import integer, is_real
 from .agreement import agree_on_step
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
@@ -29,14 +29,19 @@ _WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of 
 
 
 def _whole(value) -> Optional[int]:
-    """A saved step as a non-negative int (a Python or numpy integer, or a float of a whole number), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    """A saved step as a non-negative int that the ops' int64 step arguments hold (a Python or numpy integer, or a
+    float of a whole number), else None (10**400 raised OverflowError; 2**70 loaded, to fail in a later op)."""
+    try:
+        return integer(value, "step", low=0, high=2 ** 63 - 1)
+    except ValueError:
         return None
-    return int(value) if float(value).is_integer() and value >= 0 else None
 
 
 def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return is_real(value) and math.isfinite(float(value))
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 def check_entry(where) -> None:
