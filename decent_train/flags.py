@@ -280,19 +280,29 @@ def _not_a_directory(flag: str, path: Optional[str]):
         raise ValueError(f"{flag} {path}: it exists and is not a directory")
 
 
+def refuse_decentralized_only(args, dests=None):
+    """ValueError naming the decentralized-only flags (DECENTRALIZED_ONLY; `dests`: only those) given to an
+    all-reduce run, which would ignore them. build_strategy checks the cadence flags again for flags parsed without
+    check_flags (resolve_defaults has filled --topology and the like by then, so it checks only those)."""
+    name = args.optimizer
+    if not name.startswith("allreduce"):
+        return
+    given = [flag for flag, dest, unset in DECENTRALIZED_ONLY
+             if (dests is None or dest in dests) and getattr(args, dest, unset) != unset]
+    if given:
+        why = ("DDP has no 8-bit gradient hook here; --bf16-wire compresses its gradients"
+               if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
+        raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
+                         f"({why})")
+
+
 def check_flags(args):
     """The checks across flags that need no process group, made right after parsing (decent_train.cli), so that a
     bad combination is one line before any rank starts. Flags given where they do not apply are refused, not
     ignored: a comparison of recipes must not think they took effect. Paths are checked before the run writes to
     them (--out naming a file failed at the first evaluation). ValueError naming the flag."""
     name = args.optimizer
-    if name.startswith("allreduce"):
-        given = [flag for flag, dest, unset in DECENTRALIZED_ONLY if getattr(args, dest, unset) != unset]
-        if given:
-            why = ("DDP has no 8-bit gradient hook here; --bf16-wire compresses its gradients"
-                   if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
-            raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
-                             f"({why})")
+    refuse_decentralized_only(args)
     taken = hyperparameters(name)
     for key in ("weight_decay", "betas", "momentum"):
         if getattr(args, key) is not None and key not in taken:

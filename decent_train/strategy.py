@@ -10,7 +10,7 @@ import torch.distributed as dist
 import decent_comm
 
 from .distributed import DistEnv
-from .flags import FUSED, hyperparameters, torch_class, torch_hyperparameters
+from .flags import FUSED, hyperparameters, refuse_decentralized_only, torch_class, torch_hyperparameters
 
 
 class Strategy:
@@ -95,14 +95,8 @@ def _wire_dtype(args):
 def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     name = args.optimizer
     if name.startswith("allreduce"):
-        given = [flag for flag, on in (("--gossip-every", args.gossip_every != 1), ("--warmup-steps", args.warmup_steps),
-                                       ("--delayed-mix", args.delayed_mix), ("--int8-wire", getattr(args, "int8_wire", False)))
-                 if on]
-        if given:  # refused, not ignored: a comparison of recipes must not think they took effect
-            why = ("DDP has no 8-bit gradient hook here; --bf16-wire compresses its gradients"
-                   if given == ["--int8-wire"] else "DDP all-reduces the gradients every step")
-            raise ValueError(f"{', '.join(given)}: for the decentralized optimizers only, not for --optimizer {name} "
-                             f"({why})")
+        # refused, not ignored: a comparison of recipes must not think they took effect
+        refuse_decentralized_only(args, ("gossip_every", "warmup_steps", "delayed_mix", "int8_wire"))
         cls = torch_class(name)
         forward = model
         if env.distributed:
