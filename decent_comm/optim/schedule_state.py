@@ -6,14 +6,13 @@ into GossipSchedule, whose attributes it reads."""
 
 import copy
 import logging
-import math
 from collections.abc import Mapping
 from typing import Callable, Optional
 
 import torch
 
 from .. import ops
-from .._args import integer, is_real
+from .._args import integer, real
 from .agreement import agree_on_step
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
@@ -38,9 +37,11 @@ def _whole(value) -> Optional[int]:
 
 
 def _real(value) -> bool:
+    """A saved consensus factor: a finite number (the shared rule, _args.real; an int beyond float's range too)."""
     try:
-        return is_real(value) and math.isfinite(float(value))
-    except OverflowError:  # an int beyond float's range
+        real(value, "factor")
+        return True
+    except ValueError:
         return False
 
 
