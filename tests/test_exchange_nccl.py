@@ -174,10 +174,34 @@ def _capture_while_in_flight(rank, world_size):
         return dict(graph_ok=torch.equal(out.cpu(), torch.full((1000,), 7.0)), received=received)
 
 
+def _freed_after_shutdown(rank, world_size):
+    """Buffers a transfer used, freed after shutdown(): the caching allocator records an event on each stream a
+    block was recorded on, the comm stream among them, when it is freed. A comm stream destroyed at shutdown made
+    that an invalid handle inside the free (a terminate: the process died). Then a second exchanger, which takes
+    the same stream back, moves a buffer placed in the freed memory."""
+    n = 1 << 20
+    x, r = torch.full((n,), 1.0, device="cuda"), torch.empty(n, device="cuda")
+    ex = Exchanger(device="cuda", timeout=20, _allow_self_exchange=True)
+    ex.exchange(0, x, [r], [0], [0])
+    ex.wait(0)
+    ex.shutdown()
+    del x, r
+    torch.cuda.synchronize()
+    y, r2 = torch.full((n,), 2.0, device="cuda"), torch.empty(n, device="cuda")
+    with Exchanger(device="cuda", timeout=20, _allow_self_exchange=True) as ex2:
+        ex2.exchange(0, y, [r2], [0], [0])
+        ex2.wait(0)
+        received = torch.equal(r2.cpu(), torch.full((n,), 2.0))
+    del y, r2
+    torch.cuda.synchronize()
+    return received
+
+
 # One spawned rank for all of them (a rank costs seconds to start); the timeout, which aborts, runs last.
 SUITE = Suite({1: [("solo", _solo, ()), ("loopback fp32", _loopback, (None,)),
                    ("loopback bf16 wire", _loopback, (torch.bfloat16,)), ("nccl errors", _nccl_errors, ()),
-                   ("graph capture", _capture_while_in_flight, ()), ("timeout", _timeout, ())]}, timeout=SUITE_S)
+                   ("graph capture", _capture_while_in_flight, ()), ("freed after shutdown", _freed_after_shutdown, ()),
+                   ("timeout", _timeout, ())]}, timeout=SUITE_S)
 
 
 @needs_gpu
@@ -197,6 +221,11 @@ def test_nccl_loopback_moves_exact_bytes_through_the_transport(part):
     assert out["temporary_intact"], "a send freed right after exchange() was overwritten before it was sent"
     assert out["bytes"][0] == out["bytes"][1], out
     assert out["handshakes"] == 5, out  # one per bucket (the empty one too), none in the steady state
+
+
+@needs_gpu
+def test_nccl_buffers_freed_after_shutdown_and_a_second_exchanger():
+    assert SUITE.part(1, "freed after shutdown") == [True]
 
 
 @needs_gpu

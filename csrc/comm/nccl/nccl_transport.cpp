@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 
 #include "nccl_internal.h"
 
@@ -37,6 +38,51 @@ void backoff(int polls) {
   }
 }
 
+// Comm streams are never destroyed: the caching allocator keeps every stream a block was recorded on
+// (recordStream, done for each buffer a transfer uses) and records an event on it when that block is freed,
+// which can come long after shutdown(): the parameters freed at exit, an optimizer rebuilt in the process. A
+// destroyed stream there is an invalid handle inside a destructor (a terminate). So a transport that shut
+// down gives its (synchronized) stream back here and the next transport on that device takes it: a device holds
+// at most as many comm streams as transports were ever alive on it at once.
+namespace {
+std::mutex& stream_pool_mutex() {
+  static auto* mu = new std::mutex();  // leaked: transports may shut down during static destruction
+  return *mu;
+}
+std::unordered_map<int, std::vector<cudaStream_t>>& stream_pool() {
+  static auto* pool = new std::unordered_map<int, std::vector<cudaStream_t>>();
+  return *pool;
+}
+
+cudaStream_t take_comm_stream(int device) {
+  {
+    std::lock_guard<std::mutex> lock(stream_pool_mutex());
+    auto& idle = stream_pool()[device];
+    if (!idle.empty()) {
+      const cudaStream_t stream = idle.back();
+      idle.pop_back();
+      return stream;
+    }
+  }
+  // At the highest priority, so transfers are scheduled ahead of the compute kernels they overlap with; not
+  // one of torch's pool streams, which other code may share.
+  int least = 0, greatest = 0;
+  cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest),
+             "cudaStreamCreateWithPriority (comm stream)");
+  return stream;
+}
+
+void give_back_comm_stream(int device, cudaStream_t stream) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(stream_pool_mutex());
+    stream_pool()[device].push_back(stream);
+  } catch (...) {  // out of memory: the stream stays leaked, which is safe
+  }
+}
+}  // namespace
+
 std::string bucket_context(int64_t bucket, const std::vector<PeerOp>& peers) {
   return "bucket " + std::to_string(bucket) + " (" + describe(peers) + ")";
 }
@@ -53,12 +99,7 @@ NcclTransport::NcclTransport(const std::string& unique_id, int rank, int world_s
   const c10::cuda::CUDAGuard guard{device_index()};
   std::lock_guard<std::mutex> lock(mu_);
   try {
-    // A dedicated stream (not one of torch's pool streams, which other code may share) at the highest
-    // priority, so transfers are scheduled ahead of the compute kernels they overlap with.
-    int least = 0, greatest = 0;
-    cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    cuda_check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest),
-               "cudaStreamCreateWithPriority (comm stream)");
+    stream_ = take_comm_stream(device_index_);
     cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate (ready event)");
     cuda_check(cudaEventCreateWithFlags(&headers_, cudaEventDisableTiming), "cudaEventCreate (headers event)");
     create_communicator_locked(unique_id, max_ctas);
@@ -260,7 +301,7 @@ void NcclTransport::destroy_cuda_objects() noexcept {
   }
   if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
   if (headers_ != nullptr) (void)cudaEventDestroy(headers_);
-  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  if (stream_ != nullptr) give_back_comm_stream(device_index_, stream_);  // idle: nothing is queued on it
   ready_ = nullptr;
   headers_ = nullptr;
   stream_ = nullptr;
