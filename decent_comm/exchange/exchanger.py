@@ -21,8 +21,8 @@ is sent. Later exchanges of an agreed bucket cost nothing extra.
 
 The transport: NCCL (its own non-blocking communicator, a high-priority comm stream, per-bucket events)
 when ``device`` is CUDA and the extension was built with NCCL; otherwise the process group's own
-send/recv (gloo on CPU; CUDA buffers only with a group whose backend for CUDA tensors is NCCL: any other
-is refused with a ValueError, as gloo's send/recv take host memory only). A transfer not complete
+send/recv (gloo on CPU; CUDA buffers without the NCCL transport are refused with a ValueError: gloo's
+send/recv take host memory only, and NCCL's, posted one by one, deadlock on a two-way edge). A transfer not complete
 ``timeout`` seconds after it was issued (default: the timeout the process group was created with) raises
 ``ExchangeTimeout`` naming the bucket and the peers; a peer that exits raises ``ExchangeError``. Either makes
 the exchanger unusable: every later call raises ``ExchangeError`` quoting the first error. Bad arguments
@@ -111,29 +111,20 @@ def _resolve_device(device, group) -> torch.device:
     return device
 
 
-def _group_backend_for(group, device_type: str) -> Optional[str]:
-    """The name of the backend `group` moves `device_type` tensors with ("gloo", "nccl", ...), or None if it has none:
-    the one the process-group transport hands them to (c10d's ProcessGroup::getBackend(device type), as the C++
-    transport looks it up; dist.get_backend(group) names the group's backend string, "gloo" also for the CUDA
-    tensors a plain gloo group takes, and misses groups torch's registry does not hold)."""
-    if device_type not in {d.type for d in group._device_types}:
+def _transport_problem(device_type: str, nccl_transport: bool) -> Optional[str]:
+    """Why the exchange cannot move `device_type` buffers, or None. CUDA buffers travel by our NCCL transport only
+    (an extension built with NCCL: `nccl_transport`). A process group's own send/recv cannot stand in: gloo's hand
+    the tensor's pointer to its host-side transport (a CUDA pointer there is read and written as host memory: a
+    crash or garbage), and ProcessGroupNCCL runs each send and recv, posted one by one as the process-group
+    transport posts them, as its own kernel on the one stream it keeps per pair of ranks, so on a two-way edge each
+    rank's receive waits for a send queued behind the peer's own receive: a deadlock until the timeout (torch's
+    batch_isend_irecv groups them for that reason). MPI's and UCC's take CUDA memory only in some builds."""
+    if device_type != "cuda" or nccl_transport:
         return None
-    return group._get_backend(torch.device(device_type)).name()
-
-
-def _transport_problem(device_type: str, nccl_transport: bool, backend: Optional[str]) -> Optional[str]:
-    """Why the exchange cannot move `device_type` buffers, or None. CUDA buffers travel by our NCCL transport (an
-    extension built with NCCL: `nccl_transport`), else by the process group's backend for CUDA tensors (`backend`),
-    which must be NCCL: gloo's send/recv hand the tensor's pointer to its host-side transport (a CUDA pointer there
-    is read and written as host memory: a crash or garbage), and MPI's and UCC's take CUDA memory only in some
-    builds, which nothing here can tell."""
-    if device_type != "cuda" or nccl_transport or backend == "nccl":
-        return None
-    found = "has no backend for CUDA tensors" if backend is None else f"moves CUDA tensors with {backend!r}"
-    return (f"Exchanger: CUDA buffers need the NCCL transport, which this build of decent_comm's extension lacks "
-            f"(built without NCCL, e.g. DECENT_COMM_NCCL=0), or a process group whose backend for CUDA tensors is "
-            f"NCCL; this process group {found}. Rebuild the extension with NCCL, create the group with backend "
-            f"'nccl' (or 'cpu:gloo,cuda:nccl'), or keep the parameters (device) on the CPU")
+    return ("Exchanger: CUDA buffers need the NCCL transport, which this build of decent_comm's extension lacks "
+            "(built without NCCL, e.g. DECENT_COMM_NCCL=0). A process group's own send/recv cannot stand in (gloo's "
+            "take host memory only; NCCL's, posted one by one, deadlock on a two-way edge). Rebuild the extension "
+            "with NCCL, or keep the parameters (device) on the CPU")
 
 
 def _nccl_transport(group, device, timeout_ms, max_ctas):
@@ -182,8 +173,7 @@ class Exchanger(_C._Exchanger):
             if _allow_self_exchange and not use_nccl:
                 raise ValueError("Exchanger: _allow_self_exchange needs the NCCL transport (a CUDA device and an "
                                  "extension built with NCCL); gloo has no loopback")
-            backend = _group_backend_for(group, "cuda") if device.type == "cuda" and not use_nccl else None
-            refusal = _transport_problem(device.type, use_nccl, backend)
+            refusal = _transport_problem(device.type, use_nccl)
             if refusal is not None:  # refused here, so that every rank hears it (_agree_on_arguments)
                 raise ValueError(refusal)
             if not use_nccl:  # local: its tag channel is claimed only once the exchanger is built
