@@ -109,10 +109,10 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
     seen = set()
     for gi, group in enumerate(param_groups):
         open_buckets: Dict[tuple, Bucket] = {}
-        for p in group["params"]:
+        for j, p in enumerate(group["params"]):
             if id(p) in seen:
-                raise ValueError(f"a parameter appears more than once in the optimizer's param groups (param group "
-                                 f"{gi}, shape {tuple(p.shape)})")
+                raise ValueError(f"a parameter appears more than once in the optimizer's param groups (parameter {j} "
+                                 f"of param group {gi}, shape {tuple(p.shape)})")
             if isinstance(p, torch.nn.parameter.UninitializedParameter):
                 raise ValueError(f"param group {gi} holds an uninitialized parameter (nn.LazyLinear and the other lazy "
                                  "modules): run one forward pass before building the optimizer, as its buffers are "
@@ -120,7 +120,8 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
             seen.add(id(p))
             if p.is_sparse or not p.is_floating_point():
                 raise ValueError(f"decentralized optimizers need dense real floating-point parameters, got {p.dtype}"
-                                 f"{' sparse' if p.is_sparse else ''} of shape {tuple(p.shape)} in param group {gi}"
+                                 f"{' sparse' if p.is_sparse else ''} of shape {tuple(p.shape)}: parameter {j} of param "
+                                 f"group {gi}"
                                  f"{'' if p.requires_grad else ' (it needs no gradient: leave such tensors, e.g. quantized weights, out of the params, as [p for p in model.parameters() if p.requires_grad] does)'}")
             key = (p.device, p.dtype)
             b = open_buckets.get(key)

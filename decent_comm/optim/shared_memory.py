@@ -1,7 +1,7 @@
 """Parameters that share memory are refused before the buckets copy them apart: torch.optim updates memory that two
 Parameters share through each of them, while each slot of a bucket is a copy of its own."""
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,9 +55,48 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
 
 
-#: The span (elements) up to which two strided parameters whose spans overlap are compared element by element
-#: (a mask of that many bytes); beyond it they are taken to share memory.
+#: Nodes of the exact search (_solve) before it gives up on a pair, and the span (elements) up to which a pair it
+#: gave up on is compared element by element instead (a mask of that many bytes); beyond both they are taken to
+#: share memory, and the refusal says it could not tell.
+_SEARCH_NODES = 100_000
 _EXACT_SPAN = 1 << 26
+
+
+def _common_offsets(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
+    """Whether some index i of `a` and j of `b` reach one element: a.offset + sum(i_k a.stride_k) == b.offset +
+    sum(j_k b.stride_k), an integer equation solved exactly: terms of equal stride merge into one variable (i - j for
+    the matching dimensions of two slices of one tensor), and a depth-first search over the strides, largest first,
+    keeps only the values that leave a remainder the smaller strides can still make up. Slices of one tensor take
+    a node or two per dimension. None: the search ran past _SEARCH_NODES (strides no layout of one tensor has)."""
+    ranges = {}  # stride -> [lowest, highest] multiple of it
+    for t, sign in ((a, 1), (b, -1)):
+        for size, stride in zip(t.shape, t.stride()):
+            if size > 1 and stride > 0:
+                lo, hi = ranges.get(stride, (0, 0))
+                ranges[stride] = (lo, hi + size - 1) if sign > 0 else (lo - (size - 1), hi)
+    terms = sorted(((st, lo, hi) for st, (lo, hi) in ranges.items()), reverse=True)
+    low, high = [0] * (len(terms) + 1), [0] * (len(terms) + 1)  # what the terms from k on can sum to
+    for k in range(len(terms) - 1, -1, -1):
+        st, lo, hi = terms[k]
+        low[k], high[k] = low[k + 1] + st * lo, high[k + 1] + st * hi
+    nodes = 0
+
+    def reach(k: int, rest: int) -> bool:
+        nonlocal nodes
+        nodes += 1
+        if nodes > _SEARCH_NODES:
+            raise OverflowError
+        if k == len(terms):
+            return rest == 0
+        st, lo, hi = terms[k]
+        first = max(lo, -(-(rest - high[k + 1]) // st))  # ceil((rest - high[k+1]) / st)
+        last = min(hi, (rest - low[k + 1]) // st)
+        return any(reach(k + 1, rest - v * st) for v in range(first, last + 1))
+
+    try:
+        return reach(0, b.storage_offset() - a.storage_offset())
+    except OverflowError:
+        return None
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,6 +106,9 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.dtype != b.dtype:
         return True  # two storages over one memory (from_numpy twice), or one read as two dtypes
+    common = _common_offsets(a, b)
+    if common is not None:
+        return common
     lo = min(a.storage_offset(), b.storage_offset())
     span = max(t.storage_offset() + _extent(t) for t in (a, b)) - lo
     if span > _EXACT_SPAN:
