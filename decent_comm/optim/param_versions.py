@@ -8,7 +8,7 @@ from typing import List
 
 from torch.autograd.graph import increment_version
 
-from .buckets import Bucket
+from .buckets import Bucket, converted
 
 
 def written(buckets) -> None:
@@ -39,12 +39,28 @@ def note_landed(buckets) -> None:
 
 def check_unwritten(buckets) -> None:
     """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
-    bucket was still being sent: a neighbour may have received a buffer part before, part after the write."""
+    bucket was still being sent: a neighbour may have received a buffer part before, part after the write. A
+    parameter converted meanwhile (model.to(...) with swapped tensors) is refused as converted instead."""
     for b in buckets:
         if b.versions is not None and _versions(b) != b.versions:
+            _raise_if_converted(buckets)
             i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
             raise RuntimeError(
                 f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
                 "in place between steps while this rank was still sending it (the exchange sends the parameters "
                 "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
                 "before writing parameters between steps.")
+
+
+def _raise_if_converted(buckets) -> None:
+    """Raises the conversion error (buckets.converted) of the first parameter of `buckets` converted after the
+    optimizer was built, if any. Under torch.__future__.set_swap_module_params_on_conversion(True),
+    model.to(torch.float64) swaps a new tensor into each Parameter object, whose version counter differs from the one
+    noted while in flight: the version check must not call that a write to synchronize() before, when what is wrong
+    is the conversion, which the step's own check (adopt_storage) refuses with what to do (build the optimizer after
+    moving the model)."""
+    for b in buckets:
+        for i in range(len(b.slots)):
+            error = converted(b, i)
+            if error is not None:
+                raise error
