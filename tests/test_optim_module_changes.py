@@ -3,13 +3,18 @@ torch.__future__.set_swap_module_params_on_conversion(True) a model.to(...) keep
 tensor into it. Misuse in general (model.half() with torch's default conversion, reshaped or tied parameters) is in
 test_optim_misuse.py."""
 
+import re
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.utils.parametrize as parametrize
 
 import decent_comm
 
 from dist_utils import run_ranks
-from optim_cases import batch, make_model, train_steps
+from optim_cases import EVERY_UTILITY, batch, make_model, train_steps
 
 
 def _converted_with_swapped_tensors(rank, n, mode, dtype):
@@ -40,3 +45,205 @@ def test_a_conversion_swapping_tensors_while_in_flight_is_named_as_a_conversion(
         assert m.startswith(f"decent_comm: parameter 0 of bucket 0 is now {dtype} on cpu of shape (3, 4), where the "
                             "optimizer's buffer holds torch.float32"), (r, m)
         assert "Build the optimizer after moving the model" in m and "written in place" not in m, (r, m)
+
+
+# ---------------------------------------------------------------- a Parameter object replaced in the model (model=)
+
+
+def _overwrite(model):
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+REPLACEMENTS = {  # what replaces the first Linear's weight (name '0.weight') with another Parameter object
+    "new Parameter": lambda m: setattr(m[0], "weight", torch.nn.Parameter(m[0].weight.detach().clone())),
+    "new module": lambda m: m.__setitem__(0, torch.nn.Linear(4, 3)),
+    "load_state_dict(assign=True)": lambda m: m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()},
+                                                                assign=True),
+    "model.double() overwriting": _overwrite,
+}
+OPTIMIZERS = {
+    "DAdamW": lambda m: decent_comm.DAdamW(m.parameters(), lr=0.1, model=m),
+    "DSGD": lambda m: decent_comm.DSGD(m.parameters(), lr=0.1, momentum=0.9, model=m),
+    "Decentralized(AdamW)": lambda m: decent_comm.Decentralized(torch.optim.AdamW(m.parameters(), lr=0.1), model=m),
+}
+
+
+def _loss(model, t=0):
+    x, y = batch(0, t)
+    dtype = next(model.parameters()).dtype
+    return ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean()
+
+
+@pytest.mark.parametrize("replace", REPLACEMENTS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_replaced_in_the_model_is_refused_naming_it(name, replace):
+    """The optimizer's buckets hold the Parameter objects it was built with: after a replacement it went on updating
+    and exchanging the old one, which the model no longer reads, and the new one moved by exactly 0.0, silently. The
+    next step raises, naming the parameter and what to do, before it changes anything."""
+    model = make_model(0)
+    opt = OPTIMIZERS[name](model)
+    for t in range(2):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        opt.step()
+    held = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    REPLACEMENTS[replace](model)
+    opt.zero_grad()
+    _loss(model, 2).backward()
+    with pytest.raises(RuntimeError, match=rf"^decent_comm: {re.escape(type(opt).__name__)}\.step\(\): the model's "
+                                           r"'0\.weight' is a Parameter the optimizer does not hold .* where it held "
+                                           r"one of the optimizer's parameters.* Build the optimizer after replacing "
+                                           r"parameters"):
+        opt.step()
+    for p, before in zip(opt.param_groups[0]["params"], held):
+        assert torch.equal(p, before)
+
+
+def test_a_submodule_converted_overwriting_is_named_with_the_flag_on_or_reset():
+    """model[2].double() under the overwrite flag replaces only that module's parameters, with no hook to see it; the
+    flag reset before the step (or still set) makes no difference."""
+    for keep_flag in (False, True):
+        model = make_model(0)
+        opt = decent_comm.DSGD(model.parameters(), lr=0.1, model=model)
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            model[2].double()
+            torch.__future__.set_overwrite_module_params_on_conversion(keep_flag)
+            with pytest.raises(RuntimeError, match=r"the model's '2\.weight' is a Parameter the optimizer does "
+                                                   r"not hold \(torch\.float64"):
+                opt.step()
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("utility", ["global_average", "consensus_distance", "synchronize"])
+def test_a_collective_utility_refuses_a_replaced_parameter(utility):
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), model=model)
+    _overwrite(model)
+    with pytest.raises(RuntimeError, match=rf"{utility}\(\): the model's '0\.weight' is a Parameter the optimizer"):
+        EVERY_UTILITY[utility](opt)
+
+
+def _wrapped(m):
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+    m[0] = Wrapper(m[0])
+
+
+KEPT = {  # changes after which the model still holds the optimizer's Parameter objects (under other names, or none)
+    "parametrized": lambda m: parametrize.register_parametrization(m[0], "weight", torch.nn.Identity()),
+    "module wrapped": _wrapped,
+    "module set again": lambda m: m.__setitem__(0, m[0]),
+    "another model built": lambda m: torch.nn.Linear(4, 3),
+    "a parameter left out of the optimizer replaced": lambda m: setattr(m[2], "bias", torch.nn.Parameter(m[2].bias)),
+    "bias set to None": lambda m: setattr(m[0], "bias", None),
+}
+
+
+@pytest.mark.parametrize("change", KEPT)
+def test_changes_keeping_the_parameter_objects_train_as_torch(change):
+    """What moves, wraps or drops a parameter but assigns no other tensor to its name is no error: the same steps with
+    torch.optim.AdamW give the same parameters."""
+    models = [make_model(0), make_model(0)]
+    opts = [decent_comm.DAdamW(models[0][:2].parameters() if "left out" in change else models[0].parameters(),
+                               lr=0.1, model=models[0]),
+            torch.optim.AdamW(models[1][:2].parameters() if "left out" in change else models[1].parameters(), lr=0.1)]
+    for t in range(4):
+        if t == 2:
+            for m in models:
+                KEPT[change](m)
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            _loss(m, t).backward()
+            opt.step()
+    for a, b in zip(opts[0].param_groups[0]["params"], opts[1].param_groups[0]["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_layer_deleted_renaming_the_next_trains_as_torch():
+    """del model[0] moves the next layer's parameters (the optimizer's) to '0.weight' and '0.bias': no error."""
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)) for _ in "ab"]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [decent_comm.DAdamW(models[0].parameters(), lr=0.1, model=models[0]),
+            torch.optim.AdamW(models[1].parameters(), lr=0.1)]
+    for t in range(4):
+        if t == 2:
+            for m in models:
+                del m[0]
+            torch.nn.Linear(2, 2)  # a Parameter assigned somewhere: the next step walks the model
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            _loss(m, t).backward()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_an_unchanged_model_is_not_walked(monkeypatch):
+    """The per-step cost: a step walks the model only after a Parameter or module was assigned somewhere in the process
+    (torch's registration hooks count them), and compares entries only while the overwrite flag is set."""
+    from decent_comm.optim import module_watch
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), model=model)
+    walks = []
+    real_walk = module_watch._walk
+
+    def counting_walk(module, prefix, *rest):  # the whole model's walks (it recurses into each child)
+        if not prefix:
+            walks.append(module)
+        return real_walk(module, prefix, *rest)
+    monkeypatch.setattr(module_watch, "_walk", counting_walk)
+    for t in range(3):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        opt.step()
+    assert walks == []
+    torch.nn.Linear(2, 2)  # anywhere: the next step walks once
+    opt.step()
+    opt.step()
+    assert walks == [model, model]  # the check's walk, and the new record's
+
+
+def _replaced_on_rank_0(rank, n, where):
+    model = make_model(0)
+    opt = decent_comm.DAdamW(model.parameters(), topology="complete", model=model, timeout=3)
+    train_steps(rank, model, opt, 2)
+    if rank == 0:
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+    start = time.monotonic()
+    try:
+        if where == "step":  # AWC: rank 1's next step mixes the round rank 0 sent before; the one after waits for it
+            train_steps(rank, model, opt, 3, start=2)
+        else:
+            with opt.global_average():
+                pass
+        out = ("no error", "")
+    except Exception as exc:  # noqa: BLE001
+        out = (type(exc).__name__, str(exc))
+    seconds = time.monotonic() - start
+    # Rank 0 stays until rank 1 has its error, so that rank 1 sees a timeout, not a closed connection (through the
+    # store: a barrier on the group would meet the exchange's traffic still in flight).
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{1 - rank}"])
+    return out + (seconds,)
+
+
+@pytest.mark.parametrize("where", ["step", "global_average"])
+def test_a_parameter_replaced_on_one_rank_is_named_there_and_its_peers_time_out_naming_it(where):
+    """Only rank 0 replaced a parameter: rank 0 raises naming it, as a model converted on one rank is refused there;
+    rank 1, which goes on into the exchange (or the utility's announcement), raises within the timeout naming rank 0
+    instead of waiting for it forever."""
+    (kind0, msg0, _), (kind1, msg1, seconds) = run_ranks(_replaced_on_rank_0, 2, where, timeout=120)
+    assert kind0 == "RuntimeError" and "the model's '0.weight' is a Parameter the optimizer does not hold" in msg0, msg0
+    assert kind1 == "ExchangeTimeout" and "rank 0" in msg1 and seconds < 30, (kind1, msg1, seconds)

@@ -31,6 +31,7 @@ from .param_versions import check_unwritten, note_in_flight, written
 from .step_counts import count_on_device, count_steps, grads_present, refine_classes, spread_count, step_segments
 from .checkpointing import StateDictMixin
 from .ddp_guard import DDPGuard
+from .module_watch import ModuleWatch
 from .grads import clip_grad_norm, gather_grads, zero_grads
 from .plan import Cadence, MixInputs
 from .replica_watch import ReplicaWatch
@@ -112,6 +113,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         self._groups_built = group_layout(self.param_groups)
         self._state_watch = StateWatch()
         self._closure, self._closure_loss, self._model = None, None, model
+        self._module_watch = ModuleWatch(model, self._param_list())  # a Parameter the model replaced: refused
         self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         if self.world_size > 1 and broadcast_init:
             with torch.no_grad():
@@ -204,6 +206,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             self._ddp_guard.remove()
             self._watching_forwards = False
         check_param_groups(self.param_groups, self._groups_built)
+        self._module_watch.check(f"{type(self).__name__}.step()")
         self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
         if closure is None and self._is_state_initialization():
             self._initialize_state()

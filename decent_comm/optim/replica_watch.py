@@ -107,6 +107,7 @@ class ReplicaWatch:
         process group was destroyed under the optimizer (GossipExchange.check_group)."""
         if self._schedule.exchange is not None:
             self._schedule.exchange.check_group(what)
+        self._module_watch.check(what)  # the model's parameters are still the buckets' (module_watch)
         for b in self._buckets:  # the parameters a utility reads and writes are the buckets' (model.half() is not)
             adopt_storage(b, before_copy=self._schedule.complete_transfers, siblings=self._buckets)
         announce(self._schedule.all_reduce, what, self._schedule.t, sizes)
