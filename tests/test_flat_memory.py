@@ -20,6 +20,14 @@ def test_flat_buffer_starts_in_its_lane(dtype, numel):
         # the allocation behind it holds all of it
         storage = buf.untyped_storage()
         assert buf.data_ptr() + numel * buf.element_size() <= storage.data_ptr() + storage.nbytes()
+        # its own storage, from the lane on: torch.compile regenerates a slice a fused op writes from the slice's
+        # storage offset as if its base started the storage (tests/test_compiled_step.py)
+        assert buf.storage_offset() == 0 and storage.data_ptr() == buf.data_ptr()
+
+
+def test_an_empty_flat_buffer_is_an_empty_tensor():
+    buf = flat_buffer(0, torch.bfloat16, "cpu", 5)
+    assert buf.shape == (0,) and buf.dtype == torch.bfloat16
 
 
 def test_flat_buffer_off_cpu_is_a_plain_allocation():

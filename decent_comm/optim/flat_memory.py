@@ -12,6 +12,12 @@ page offsets avoided it in every case measured.
 
 Other devices get plain allocations: this is about a CPU core's L1 cache and store buffer, which GPU kernels'
 coalesced accesses do not go through.
+
+A lane buffer is a tensor of its own storage, which starts at the lane (storage_offset 0), not a view into the
+allocation: torch.compile (auto_functionalize, torch 2.14's try_use_slice) regenerates a slice that a fused op writes
+from the slice's storage offset as if its base started the storage, so under a compiled DSGD step the part of a bucket
+with gradients, bucket.flat[0:n] of a buffer 64 elements into its allocation, was regenerated as [64:64 + n], empty
+("decent_comm.mix_sgd_: grad has s23 elements but x has 0") or, in a larger bucket, the wrong elements.
 """
 
 import torch
@@ -32,12 +38,14 @@ def flat_buffer(numel: int, dtype: torch.dtype, device, lane: int, zero: bool = 
     if device.type != "cpu":
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
     element = dtype.itemsize
-    raw = torch.empty(numel + PAGE_BYTES // element, dtype=dtype)
+    if numel == 0:  # (torch.frombuffer takes no empty buffer; an empty one has no lane to start in)
+        return torch.empty(0, dtype=dtype)
+    raw = torch.empty(numel * element + PAGE_BYTES, dtype=torch.uint8)
     # torch's CPU allocator aligns to 64 bytes, so the distance to the lane is a whole number of elements; if some
     # allocator did not, the buffer simply starts where the allocation does.
     start = ((lane % LANES) * LANE_BYTES - raw.data_ptr()) % PAGE_BYTES
-    first = start // element if start % element == 0 else 0
-    buf = raw[first: first + numel]
+    # Its own storage from the lane on (module doc: torch.compile); the NumPy array it holds keeps the allocation.
+    buf = torch.frombuffer(raw.numpy(), dtype=dtype, count=numel, offset=start if start % element == 0 else 0)
     if zero:
         buf.zero_()
     return buf
