@@ -15,6 +15,9 @@ class AdaptiveConsensus:
     step 0 is the warm-up's smallest, and every later lr looked at least as large (a = 1 until the decay fell
     below it: a 10-step warm-up from 1e-3 to 0.1 with a cosine to step 100 first lowered a at step 95). A
     schedule that only decays from start_step on sees the same reference either way.
+    Each rank computes a from its own lr: the lr must be equal on every rank (a ReduceLROnPlateau stepped on each
+    rank's own loss is not), or the ranks mix by a matrix that is not doubly stochastic and the replicas' mean drifts
+    (docs/api.md, torch.optim conventions).
     """
 
     def __init__(self, p: float = 3.0, start_step: int = 0, min_factor: float = 0.0):
