@@ -9,39 +9,48 @@ alone did it. torch.optim is as blind to it; without `model=` we cannot see it e
 The check must cost next to nothing per step (a model of 2000 small tensors: comparing every parameter's module entry
 by identity took 66 us of a 4.9 ms DSGD step on a loaded 2-core machine, 1.3%):
 - torch's global registration hooks see every Parameter or module assigned through nn.Module (setattr,
-  register_parameter, add_module, load_state_dict(assign=True)): they bump a process-wide count, and a step that finds
-  it changed walks the model once (0.5 ms for 2000 tensors) comparing each watched name with what it holds now;
+  register_parameter, add_module, load_state_dict(assign=True)): one assigned on a module of the watched model marks
+  the watch, and the next step walks the model (about 1 ms for 2000 tensors) comparing each watched name with what it
+  holds now; assignments elsewhere (a module built in a forward, an eval copy) cost a set lookup;
 - `_apply` (model.to(...)) writes module._parameters directly, no hook, when it makes new Parameter objects (under the
   overwrite flag, set or since reset), and then replaces every parameter of each module it visits: each step
   compares one entry per module by identity (1000 modules: 35 us, 0.7% of that step), and every entry when one
   differs.
 A name that no longer exists is no error (torch.nn.utils.parametrize moves the same Parameter object under
 `parametrizations.<name>.original`, a wrapper module moves it under its own name), nor one that holds another of the
-optimizer's parameters: only a tensor the optimizer does not hold, at a name that held one of its parameters. Left unseen: a `module._parameters[name] = p` written directly to a module's second or later parameter.
+optimizer's parameters: only a tensor the optimizer does not hold, at a name that held one of its parameters. Left
+unseen: a `module._parameters[name] = p` written directly to a module's second or later parameter.
 """
 
 import operator
+import weakref
 from typing import Dict, List, Optional
 
 import torch
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
-_registrations = [0]  # Parameters and modules assigned through nn.Module in this process (the hooks below)
+_watches: "weakref.WeakSet[ModuleWatch]" = weakref.WeakSet()  # the live watches, for the hooks below
 
 
 def _count(module, name, value):
-    _registrations[0] += 1
+    """torch's global registration hooks: a Parameter or module assigned on `module`. Only a watch whose model holds
+    `module` must look again; others (a module built inside a forward, an eval copy, AveragedModel, a GraphModule
+    dynamo builds) cost each a set lookup, where a process-wide count made every step walk the whole model twice."""
+    for watch in list(_watches):
+        if id(module) in watch._module_ids:
+            watch._dirty = True
 
 
-_hooks: List = []  # the two global hooks, registered at the first watch (never removed: they only count)
+_hooks: List = []  # the two global hooks, registered at the first watch (never removed: they cost a lookup each)
 
 
 def _walk(module: torch.nn.Module, prefix: str, watched: Optional[Dict[int, torch.nn.Parameter]], out: list,
           seen: set):
     """(module._parameters, name, parameter, dotted name) of every parameter under `module` (those in `watched`
-    only, unless None), duplicates (a module or parameter at two names) included; `seen` guards against a module that
-    holds itself."""
+    only, unless None). A module held at several places is visited once, under its first name (as named_modules
+    does: visiting it once per path took time exponential in the depth of such sharing); a replacement shows in
+    its one _parameters dict whichever name reaches it. `seen` gets the ids of the modules visited."""
     if id(module) in seen:
         return
     seen.add(id(module))
@@ -51,7 +60,6 @@ def _walk(module: torch.nn.Module, prefix: str, watched: Optional[Dict[int, torc
     for name, child in module._modules.items():
         if child is not None:
             _walk(child, f"{prefix}{name}.", watched, out, seen)
-    seen.discard(id(module))
 
 
 class ModuleWatch:
@@ -66,24 +74,26 @@ class ModuleWatch:
                            register_module_module_registration_hook(_count)])
         self._watched = {id(p): p for p in params}
         self._record()
+        _watches.add(self)
 
     def _record(self):
         """Notes where the model holds each watched parameter now."""
-        entries = []
-        _walk(self._model, "", self._watched, entries, set())
-        self._entries = entries
+        entries, modules = [], set()
+        _walk(self._model, "", self._watched, entries, modules)
+        self._entries, self._module_ids = entries, modules
         firsts = {}  # per module, its first watched entry: _apply replaces every parameter of a module it visits
         for e in entries:
             firsts.setdefault(id(e[0]), e)
         self._dicts, self._names, self._firsts = ([e[k] for e in firsts.values()] for k in range(3))
-        self._seen = _registrations[0]
+        self._dirty = False
 
+    @torch.compiler.disable  # traced into a compiled step(), its state became a guard: a recompile per change
     def check(self, what: str) -> None:
         """RuntimeError naming the first name of the model that holds another tensor than the optimizer's parameter
         it held (`what`: the call, for the message)."""
         if self._model is None:
             return
-        if self._seen != _registrations[0]:  # something was assigned through nn.Module: every name, as it is now
+        if self._dirty:  # something was assigned on one of the model's modules: every name, as it is now
             now = []
             _walk(self._model, "", None, now, set())
             held = {path: q for _, _, q, path in now}

@@ -55,9 +55,9 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
 
 
-#: Nodes of the exact search (_solve) before it gives up on a pair, and the span (elements) up to which a pair it
-#: gave up on is compared element by element instead (a mask of that many bytes); beyond both they are taken to
-#: share memory, and the refusal says it could not tell.
+#: Nodes of the exact search (_common_offsets) before it gives up on a pair, and the span (elements) up to which a
+#: pair it gave up on is compared element by element instead (a mask of that many bytes); beyond both the pair is
+#: taken to share memory and refused (strides no layout of one tensor has: not met in practice).
 _SEARCH_NODES = 100_000
 _EXACT_SPAN = 1 << 26
 
