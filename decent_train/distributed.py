@@ -1,12 +1,15 @@
 """The job this process belongs to: joining the process group torchrun describes (and leaving it), the rank,
 world and device, each rank's data seed, and log lines tagged with the rank."""
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 
 def setup_logging(rank: int):
@@ -35,8 +38,9 @@ class DistEnv:
 
 def init_distributed(device: str = "auto") -> DistEnv:
     """Joins the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment; works the
-    same for --standalone and multi-node c10d rendezvous). gloo on CPU, nccl on GPU. A group that already
-    exists (tests) is reused; without torchrun the example runs as a single process."""
+    same for --standalone and multi-node c10d rendezvous). gloo on CPU, nccl on GPU, on keys of this torchrun
+    restart attempt (init_process_group_per_attempt), so that `--max-restarts` can bring the job back. A group that
+    already exists (tests) is reused; without torchrun the example runs as a single process."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     env = DistEnv(local_rank=local_rank, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -44,14 +48,31 @@ def init_distributed(device: str = "auto") -> DistEnv:
         torch.cuda.set_device(local_rank)
         env.device = torch.device("cuda", local_rank)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                device_id=env.device if use_cuda else None)
+        init_process_group_per_attempt("nccl" if use_cuda else "gloo", device_id=env.device if use_cuda else None)
         env.owns_group = True
     if dist.is_initialized():
         env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
         if "LOCAL_WORLD_SIZE" not in os.environ:
             env.local_world_size = env.world_size
     return env
+
+
+def restart_attempt() -> int:
+    """torchrun's restart count of this job (TORCHELASTIC_RESTART_COUNT): 0 for its first attempt and outside
+    torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_process_group_per_attempt(backend: str, timeout: Optional[datetime.timedelta] = None, **kwargs):
+    """dist.init_process_group(backend) as env:// rendezvouses (RANK, WORLD_SIZE, MASTER_ADDR/PORT: torchrun's
+    agent's store, or rank 0's), with the group's keys under a prefix of this restart attempt: docs/reliability.md's
+    recipe for `torchrun --max-restarts` ("Restarts"). The attempts share the agent's store and a plain group's keys
+    carry no attempt number, so a restarted rank could read a dead rank's address from the attempt before and fail
+    in gloo's connectFullMesh ("Connection refused"). dist.rendezvous builds the store exactly as a plain
+    init_process_group would (its 30 min timeout included); kwargs (device_id, ...) go to init_process_group."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or default_pg_timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{restart_attempt()}", store), rank=rank,
+                            world_size=world_size, **({"timeout": timeout} if timeout else {}), **kwargs)
 
 
 def job_world_size() -> int:

@@ -10,20 +10,17 @@ import torch
 import torch.distributed as dist
 
 import decent_comm
+from decent_train.distributed import init_process_group_per_attempt, restart_attempt
 
 STEPS, CKPT_EVERY, KILL_AT = 12, 4, int(os.environ["KILL_AT"])
 OUT = os.environ["OUT"]
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+attempt = restart_attempt()
 
 # The recipe: an attempt's process group on keys of its own (torchrun reuses its store across attempts, and gloo
-# read the previous attempt's peer addresses from it; decent_comm keeps its own keys in the same store). The agent
-# hosts that store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, then rank 0 does.
-rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                      is_master=not agent_hosts and rank == 0)
-dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                        world_size=world_size)
+# read the previous attempt's peer addresses from it; decent_comm keeps its own keys in the same store). The helper
+# is the training harness's (decent_train/distributed.py), so the test runs the code the examples run.
+init_process_group_per_attempt("gloo")
+rank = dist.get_rank()
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
