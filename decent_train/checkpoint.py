@@ -7,7 +7,9 @@ Loading is safe on files one did not write: a checkpoint holds tensors (RNG stat
 strings and plain containers only, and is read with torch.load(weights_only=True), which refuses anything
 else instead of running it. Resuming reads only inside the directory --resume names: `latest` must hold the
 bare name of one of its step directories (not a path), and no file read (`latest`, the step directory, the
-rank file) may resolve, through symlinks, to a place outside it.
+rank file) may resolve, through symlinks, to a place outside it. `--resume auto` resumes from --checkpoint's
+`latest` when there is one and starts afresh otherwise (auto_resume_dir), so that one command line serves every
+attempt of `torchrun --max-restarts`.
 """
 
 import logging
@@ -15,7 +17,7 @@ import os
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import List, Set
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,38 @@ def resolve_resume_dir(path: str) -> str:
     step_dir = os.path.join(path, name)
     inside(step_dir, path)
     return step_dir
+
+
+def auto_resume_dir(root: str, env: DistEnv) -> Optional[str]:
+    """`--resume auto`: the step directory root/latest names (the newest step every rank finished writing), or None
+    when root has no `latest` (no such directory yet, or a run stopped before its first checkpoint was committed: its
+    step directories may lack ranks), to start afresh. Under torchrun --max-restarts every attempt runs the same
+    command line: the first starts afresh, a restarted one goes on from the last commit (a fixed `--resume DIR`
+    refused the first attempt, and without it a restart began again at step 0, rewriting the step directories). The
+    ranks decide together: one that sees another `latest` (a directory not shared between the nodes) or cannot read
+    it makes every rank raise, naming what each saw, instead of some ranks resuming and the others not."""
+    try:
+        name = os.path.basename(resolve_resume_dir(root)) if os.path.lexists(os.path.join(root, "latest")) else None
+        seen = ("ok", name)
+    except (OSError, ValueError) as e:
+        seen = ("error", f"{type(e).__name__}: {e}")
+    everyone = [seen]
+    if env.distributed:
+        everyone = [None] * env.world_size
+        dist.all_gather_object(everyone, seen)
+    errors = [f"rank {r}: {text}" for r, (kind, text) in enumerate(everyone) if kind == "error"]
+    if errors:
+        raise CheckpointError(f"--resume auto: the latest checkpoint in {root} cannot be read: {'; '.join(errors)}")
+    if len({text for _, text in everyone}) > 1:
+        views = ", ".join(f"rank {r}: {text or 'none'}" for r, (_, text) in enumerate(everyone))
+        raise CheckpointError(f"--resume auto: the ranks see different latest checkpoints in {root} ({views}); every "
+                              "rank must read the directory rank 0 commits to (a shared file system)")
+    if name is None:
+        log.info("--resume auto: no committed checkpoint in %s (no %s): starting afresh", root,
+                 os.path.join(root, "latest"))
+        return None
+    log.info("--resume auto: resuming from %s, the latest committed checkpoint", os.path.join(root, name))
+    return os.path.join(root, name)
 
 
 def read_checkpoint(file: str, device) -> dict:

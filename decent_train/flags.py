@@ -34,6 +34,8 @@ NOT_DRIVABLE = {"sparseadam": "it takes sparse gradients only, and the example m
 # (AccumAdam(W), family "accum", too).
 DECENTRALIZED_ADAM = ("dadam", "dadamw", "decentralized-adam", "decentralized-adamw")
 ADAM_BETAS = (0.9, 0.999)
+# --resume auto: from --checkpoint's latest committed step when there is one, else afresh (decent_train.checkpoint)
+RESUME_AUTO = "auto"
 
 
 def not_drivable(name: str) -> Optional[str]:
@@ -226,7 +228,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                         "(default: none, no checkpoints)")
     g.add_argument("--checkpoint-every", type=count(1), default=None, help="checkpoint every N steps (default: --eval-every)")
     g.add_argument("--resume", default=None,
-                   help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory; --lr, "
+                   help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory; 'auto': "
+                        "from --checkpoint's latest committed step when it has one, else start afresh (what a fixed "
+                        "command line under torchrun --max-restarts needs; a directory named auto is ./auto); --lr, "
                         "--weight-decay, --betas and --momentum given now replace the checkpoint's (default: none, "
                         "start afresh)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar (it is off anyway when not a tty)")
@@ -315,7 +319,10 @@ def check_flags(args):
                          f"record nothing; give --steps {PROFILED[0]} or more")
     for flag, path in (("--out", args.out), ("--checkpoint", args.checkpoint), ("--profile", args.profile)):
         _not_a_directory(flag, path)
-    if args.resume is not None and not os.path.isdir(args.resume):
+    if args.resume == RESUME_AUTO and args.checkpoint is None:
+        raise ValueError("--resume auto resumes from --checkpoint's latest committed step: give --checkpoint DIR (the "
+                         "directory this run writes its checkpoints to)")
+    if args.resume not in (None, RESUME_AUTO) and not os.path.isdir(args.resume):
         raise ValueError(f"--resume {args.resume}: no such directory (give a checkpoint directory or one of its "
                          "step_NNNNNNN directories)")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -23,9 +23,9 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .checkpoint import Progress, apply_resumed_hyperparameters, load_checkpoint, save_checkpoint
+from .checkpoint import Progress, apply_resumed_hyperparameters, auto_resume_dir, load_checkpoint, save_checkpoint
 from .distributed import DistEnv, close_distributed, init_distributed, job_world_size, rank_seed, setup_logging
-from .flags import PROFILED, resolve_defaults
+from .flags import PROFILED, RESUME_AUTO, resolve_defaults
 from .lr_schedule import make_lr_scheduler
 from .plot import plot_runs
 from .profiling import step_profiler, step_range
@@ -171,6 +171,8 @@ def set_up(job: Job, build_task, given):
     """Builds the task, the optimizer and the schedule, and resumes; `given`: the hyper-parameters given on the
     command line, which win over a checkpoint's."""
     args, env = job.args, job.env
+    # --resume auto decided first: it is a collective (the ranks agree), before the optimizer's own traffic starts
+    resume = auto_resume_dir(args.checkpoint, env) if args.resume == RESUME_AUTO else args.resume
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizers also broadcast it)
     job.task = build_task(args, env)
@@ -178,8 +180,8 @@ def set_up(job: Job, build_task, given):
     job.strategy = build_strategy(args, model, env)
     job.scheduler = make_lr_scheduler(job.strategy.optimizer, args)
     job.generator = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
-    if args.resume:
-        job.progress = load_checkpoint(args.resume, env, model, job.strategy, job.scheduler, job.generator)
+    if resume:
+        job.progress = load_checkpoint(resume, env, model, job.strategy, job.scheduler, job.generator)
         changed = apply_resumed_hyperparameters(args, given, job.strategy.optimizer, job.scheduler,
                                                 job.strategy.consensus)
         if changed:

@@ -2,6 +2,10 @@
 
     torchrun --standalone --nproc_per_node 4 examples/train_classifier.py --optimizer dadamw
     torchrun --standalone --nproc_per_node 4 examples/train_classifier.py --optimizer dsgd --topology ring
+    torchrun --standalone --nproc_per_node 4 --max-restarts 3 examples/train_classifier.py --checkpoint ck --resume auto
+
+The last restarts the job up to 3 times when a rank fails: each attempt goes on from the latest checkpoint in ck/
+that every rank finished writing (the first, with none there, starts afresh).
 
 The model and data are in decent_train/workloads/digits.py, the optimizer set-up and the training loop in
 decent_train/strategy.py and decent_train/loop.py; `--help` lists every flag.

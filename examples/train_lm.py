@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer dadamw --topology one-peer-exp
     torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer allreduce        # DDP + AdamW
+    torchrun --standalone --nproc_per_node 4 --max-restarts 3 examples/train_lm.py --checkpoint ck --resume auto
 
 The model and data are in decent_train/workloads/lm.py, the optimizer set-up and the training loop in
 decent_train/strategy.py and decent_train/loop.py; `--help` lists every flag.

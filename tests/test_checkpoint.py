@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from decent_train.checkpoint import (CheckpointError, Progress, load_checkpoint, resolve_resume_dir,
-                                     save_checkpoint)
+from decent_train.checkpoint import (CheckpointError, Progress, auto_resume_dir, load_checkpoint,
+                                     resolve_resume_dir, save_checkpoint)
 from decent_train.distributed import DistEnv, init_distributed, rank_seed
 from decent_train.flags import add_common_args, resolve_defaults
 from decent_train.loop import train_step
@@ -130,6 +130,48 @@ def test_a_resume_at_another_world_size_is_refused_on_every_rank_pointing_at_the
         torch.save({"model": {}}, step / f"rank{r}.pt")
     with pytest.raises(ValueError, match=f"written by 2 ranks, this job has {world_size}: .*docs/state.md"):
         load_checkpoint(str(step), DistEnv(rank=rank, world_size=world_size), None, None, None, None)
+
+
+def test_resume_auto_goes_on_from_the_commit_or_starts_afresh(tmp_path):
+    """--resume auto (one command line for every attempt of torchrun --max-restarts): the step directory `latest`
+    names; None (afresh) with no checkpoint directory yet, and with step directories but no `latest` (a run stopped
+    before its first commit: not every rank's file need be there); a `latest` that cannot be used is refused."""
+    root = str(tmp_path / "ck")
+    assert auto_resume_dir(root, DistEnv()) is None
+    _step_dirs(root, "step_0000002")
+    assert auto_resume_dir(root, DistEnv()) is None
+    _write_latest(root, "step_0000002")
+    assert auto_resume_dir(root, DistEnv()) == os.path.join(root, "step_0000002")
+    _write_latest(root, "../elsewhere")
+    with pytest.raises(CheckpointError, match="--resume auto: the latest checkpoint in .* cannot be read: rank 0: "
+                                              "CheckpointError: .*must be the name of a step directory"):
+        auto_resume_dir(root, DistEnv())
+
+
+def _auto_with_own_directory(rank, world_size, root, latest):
+    """Each rank its own directory, as nodes without a shared file system have: rank 0's holds `latest`."""
+    mine = os.path.join(root, f"node{rank}")
+    _step_dirs(mine, "step_0000004")
+    if latest[rank] is not None:
+        _write_latest(mine, latest[rank])
+    try:
+        return auto_resume_dir(mine, DistEnv(rank=rank, world_size=world_size))
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_resume_auto_is_decided_by_every_rank_alike(tmp_path):
+    """Ranks that see different `latest` files would resume on some ranks and start afresh on others (an all-reduce
+    run then waits forever at the end); every rank raises instead, naming what each saw. One rank's unreadable
+    `latest` is raised by every rank too."""
+    said = run_ranks(_auto_with_own_directory, 2, str(tmp_path), ["step_0000004", None])
+    for text in said:
+        assert "--resume auto: the ranks see different latest checkpoints" in text, said
+        assert "(rank 0: step_0000004, rank 1: none)" in text, said
+    said = run_ranks(_auto_with_own_directory, 2, str(tmp_path / "bad"), [None, "/etc"])
+    assert all("cannot be read: rank 1: CheckpointError" in text for text in said), said
+    agreed = run_ranks(_auto_with_own_directory, 2, str(tmp_path / "same"), ["step_0000004"] * 2)
+    assert [os.path.basename(d) for d in agreed] == ["step_0000004"] * 2
 
 
 # -------------------------------------------------------------------- what the harness writes loads

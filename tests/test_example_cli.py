@@ -49,6 +49,7 @@ def refused(argv, capsys, parse=lm.parse_args):
     (["--heads", "3"], "--heads 3 does not divide --d-model 128"),  # raised by the model: traceback per rank
     (["--optimizer", "allreduce", "--int8-wire"], "--int8-wire: for the decentralized optimizers only"),
     (["--resume", "/nonexistent/ck"], "--resume /nonexistent/ck: no such directory"),
+    (["--resume", "auto"], "--resume auto resumes from --checkpoint's latest committed step: give --checkpoint DIR"),
     (["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be in [0, 1], got 2"),  # was accepted
     (["--lr", "-1"], "argument --lr: must be >= 0, got -1"),  # a negative value is the flag's, not "expected one"
 ])
@@ -156,6 +157,21 @@ def test_paths_that_are_files_are_refused_before_the_run(tmp_path, capsys):
     for flag in ("--out", "--checkpoint", "--profile"):
         assert f"{flag} {f}: it exists and is not a directory" in refused([flag, str(f), "--steps", "9"], capsys)
     assert lm.parse_args(["--out", str(tmp_path / "new")]).out == str(tmp_path / "new")
+
+
+def test_resume_auto_starts_afresh_then_goes_on_from_the_commit(tmp_path, capsys):
+    """One command line for every attempt of torchrun --max-restarts (tests/test_torchrun_restart.py runs it there):
+    `--resume DIR` refused a DIR not there yet, and a DIR without checkpoints ("no checkpoint for rank 0")."""
+    ck = str(tmp_path / "ck")
+    flags = [*TINY, "--checkpoint", ck, "--resume", "auto", "--eval-every", "2", "--lr-schedule", "constant"]
+    assert lm.main([*flags, "--steps", "2"])["steps"] == 2
+    err = capsys.readouterr().err  # the run's log (decent_train's handler writes to stderr)
+    assert f"--resume auto: no committed checkpoint in {ck}" in err and "resumed" not in err, err
+    assert lm.main([*flags, "--steps", "4"])["steps"] == 4
+    err = capsys.readouterr().err
+    assert f"--resume auto: resuming from {ck}/step_0000002" in err, err
+    assert f"resumed from {ck}/step_0000002 at step 2" in err and "no committed" not in err, err
+    assert sorted(os.listdir(ck)) == ["latest", "step_0000002", "step_0000004"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")

@@ -55,15 +55,23 @@ def _final_models(ck):
     return [torch.load(os.path.join(ck, "step_0000008", f"rank{r}.pt"))["model"] for r in range(2)]
 
 
-def test_the_harness_comes_back_after_a_restart(tmp_path):
+def test_the_harness_comes_back_after_a_restart_and_goes_on_from_its_last_commit(tmp_path):
     """examples/train_lm.py under torchrun --max-restarts 1, rank 1 killed after the step-4 checkpoint and late to
     join the restarted attempt (3 s): the restart's process group used to fail in gloo's connectFullMesh, rank 0
     having read rank 1's address of attempt 0 (the harness's plain init_process_group; 3 of 4 restarts by chance,
-    this one always). Now the job finishes, ending as an uninterrupted run does."""
-    flags = ["--steps", "8", "--checkpoint-every", "2", "--eval-every", "4", *LM_TINY]
+    this one always). One command line serves both attempts: `--resume auto` starts afresh in attempt 0 (`--resume
+    DIR` refused a DIR not there yet) and goes on from step 4 in attempt 1 (without it, the restart began again at
+    step 0 and rewrote the step directories). The job ends as an uninterrupted run does, bit for bit."""
+    flags = ["--steps", "8", "--checkpoint-every", "2", "--eval-every", "4", "--resume", "auto", *LM_TINY]
     plain, ck = str(tmp_path / "plain"), str(tmp_path / "ck")
-    _torchrun(HARNESS, [*flags, "--checkpoint", plain])
+    said = _torchrun(HARNESS, [*flags, "--checkpoint", plain])
+    assert f"--resume auto: no committed checkpoint in {plain}" in said and "resumed from" not in said, said
     said = _torchrun(HARNESS, [*flags, "--checkpoint", ck], KILL_AFTER="4", LATE_S="3")
     assert "rank 1 killed after the commit of step 4" in said and "attempt 1 rank 1: started" in said, said
+    assert said.count(f"--resume auto: no committed checkpoint in {ck}") == 1, said  # attempt 0 only
+    assert f"--resume auto: resuming from {ck}/step_0000004" in said, said
+    assert f"resumed from {ck}/step_0000004 at step 4" in said, said
+    for step in (2, 4, 6, 8):  # none written again by the restarted attempt
+        assert said.count(f"checkpoint written: {ck}/step_{step:07d}\n") == 1, (step, said)
     for rank, (p, q) in enumerate(zip(_final_models(plain), _final_models(ck))):
         assert p.keys() == q.keys() and all(torch.equal(p[k], q[k]) for k in p), rank
