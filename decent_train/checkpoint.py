@@ -50,7 +50,6 @@ def step_dir_name(step: int) -> str:
 def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, scheduler, generator, progress: Progress):
     """Every rank writes its own file: decentralized replicas (and every rank's data stream) differ."""
     step_dir = os.path.join(root, step_dir_name(progress.step))
-    os.makedirs(step_dir, exist_ok=True)
     # The optimizer first: a decentralized one synchronizes, which in ATC mode applies the pending mix to the
     # parameters. Copied before it, the model would lack that mix, and a resumed run (whose optimizer starts
     # the next exchange afresh) would never apply it.
@@ -64,16 +63,31 @@ def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, schedule
         "step": progress.step, "train_time": progress.train_time, "rows": progress.rows,
         "world_size": env.world_size, "bytes_sent": strategy.bytes_sent,
     }
-    path = os.path.join(step_dir, f"rank{env.rank}.pt")
+    write_rank_file(step_dir, env.rank, state)
+    commit(root, step_dir, env)
+    log.info("checkpoint written: %s", step_dir)
+
+
+def write_rank_file(step_dir: str, rank: int, state: dict):
+    """step_dir/rank<r>.pt: written whole or not at all (a rank killed mid-write leaves no partial file)."""
+    os.makedirs(step_dir, exist_ok=True)
+    path = os.path.join(step_dir, f"rank{rank}.pt")
     torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a run killed mid-write leaves the previous checkpoint intact
+    os.replace(path + ".tmp", path)
+
+
+def commit(root: str, step_dir: str, env: DistEnv):
+    """Called by every rank once it wrote its file of step_dir: after a barrier, rank 0 makes root/latest name it.
+    `latest` thus only names a step every rank finished writing: a rank killed while the others saved (before the
+    barrier) leaves the previous commit, and a resume loads the same step on every rank. Overwriting one file per
+    rank in place instead left rank 0 at the new step and a rank killed before its own save at the old one, and
+    every restart loaded those same mismatched files again."""
     if env.distributed:
-        dist.barrier()  # "latest" may only name a step every rank has finished writing
+        dist.barrier()
     if env.is_main:
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(os.path.basename(step_dir))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-    log.info("checkpoint written: %s", step_dir)
 
 
 def inside(path: str, directory: str) -> str:

@@ -1,12 +1,14 @@
 """docs/reliability.md's recipe for `torchrun --max-restarts`: a rank killed mid-run, torchrun restarts both ranks,
 they resume from their checkpoints and end with the parameters of an uninterrupted run, bit for bit (the state dict
-holds the flat moments, the counts and the schedule's position; the CPU kernels repeat the same operations). And the
-training harness (examples/train_lm.py) under the same restart."""
+holds the flat moments, the counts and the schedule's position; the CPU kernels repeat the same operations), also
+when the rank is killed between rank 0's save and the step's commit. And the training harness (examples/train_lm.py)
+under the same restart."""
 import os
 import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,20 +37,40 @@ def _torchrun(script, args=(), **env_vars):
     return stdout + stderr
 
 
-def _run(out, kill_at):
-    said = _torchrun(SCRIPT, OUT=str(out), KILL_AT=str(kill_at))
+def _run(out, **kill):
+    os.makedirs(out)
+    said = _torchrun(SCRIPT, OUT=str(out), **{k: str(v) for k, v in kill.items()})
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)], said
 
 
-def test_a_run_restarted_after_a_killed_rank_ends_as_an_uninterrupted_one(tmp_path):
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "killed").mkdir()
-    plain, _ = _run(tmp_path / "plain", -1)
-    restarted, said = _run(tmp_path / "killed", 6)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("restart") / "plain")[0]
+
+
+def _assert_same(plain, restarted):
     for rank in range(2):
-        assert f"attempt 1 rank {rank}: starts at step 4" in said, said
         for p, q in zip(plain[rank], restarted[rank]):
             assert torch.equal(p, q), (rank, (p - q).abs().max())
+
+
+def test_a_run_restarted_after_a_killed_rank_ends_as_an_uninterrupted_one(tmp_path, uninterrupted):
+    restarted, said = _run(tmp_path / "killed", KILL_AT=6)
+    for rank in range(2):
+        assert f"attempt 1 rank {rank}: starts at step 4" in said, said
+    _assert_same(uninterrupted, restarted)
+
+
+def test_a_rank_killed_between_its_peers_save_and_the_commit_resumes_the_previous_commit(tmp_path, uninterrupted):
+    """Rank 1 killed in the step-8 save, after rank 0 wrote its file: the recipe overwrote one file per rank, so rank
+    0 resumed at step 8 and rank 1 at step 4; the optimizer's step agreement refused that on both ranks, and every
+    restart loaded the same files again (the job could never recover). With step directories and rank 0's commit
+    after a barrier, step 8 was never committed: both ranks resume at step 4 and end as the uninterrupted run."""
+    restarted, said = _run(tmp_path / "killed", KILL_IN_SAVE=8)
+    assert "rank 1 killed in the save of step 8" in said, said
+    for rank in range(2):
+        assert f"attempt 1 rank {rank}: starts at step 4" in said, said
+    _assert_same(uninterrupted, restarted)
 
 
 def _final_models(ck):
