@@ -65,7 +65,7 @@ def restart_attempt() -> int:
 
 def init_process_group_per_attempt(backend: str, timeout: Optional[datetime.timedelta] = None, **kwargs):
     """dist.init_process_group(backend) as env:// rendezvouses (RANK, WORLD_SIZE, MASTER_ADDR/PORT: torchrun's
-    agent's store, or rank 0's), with the group's keys under a prefix of this restart attempt: docs/reliability.md's
+    agent's store, or rank 0's), with the group's keys under a prefix of this restart attempt: docs/restarts.md's
     recipe for `torchrun --max-restarts` ("Restarts"). The attempts share the agent's store and a plain group's keys
     carry no attempt number, so a restarted rank could read a dead rank's address from the attempt before and fail
     in gloo's connectFullMesh ("Connection refused"). dist.rendezvous builds the store exactly as a plain

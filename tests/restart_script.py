@@ -1,4 +1,4 @@
-"""Run by tests/test_torchrun_restart.py under `torchrun --max-restarts 1` (2 ranks, gloo): docs/reliability.md's
+"""Run by tests/test_torchrun_restart.py under `torchrun --max-restarts 1` (2 ranks, gloo): docs/restarts.md's
 recipe for restarts, as a script would use it. The process group is created on a key space of its own per restart
 attempt (TORCHELASTIC_RESTART_COUNT); every CKPT_EVERY steps each rank writes its own file of the step into a step
 directory and, after a barrier, rank 0 commits the step (OUT/ck/latest names it); a restarted attempt resumes from

@@ -1,4 +1,4 @@
-"""docs/reliability.md's recipe for `torchrun --max-restarts`: a rank killed mid-run, torchrun restarts both ranks,
+"""docs/restarts.md's recipe for `torchrun --max-restarts`: a rank killed mid-run, torchrun restarts both ranks,
 they resume from their checkpoints and end with the parameters of an uninterrupted run, bit for bit (the state dict
 holds the flat moments, the counts and the schedule's position; the CPU kernels repeat the same operations), also
 when the rank is killed between rank 0's save and the step's commit. And the training harness (examples/train_lm.py)
