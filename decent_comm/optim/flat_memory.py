@@ -38,14 +38,16 @@ def flat_buffer(numel: int, dtype: torch.dtype, device, lane: int, zero: bool = 
     if device.type != "cpu":
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
     element = dtype.itemsize
-    if numel == 0:  # (torch.frombuffer takes no empty buffer; an empty one has no lane to start in)
-        return torch.empty(0, dtype=dtype)
     raw = torch.empty(numel * element + PAGE_BYTES, dtype=torch.uint8)
     # torch's CPU allocator aligns to 64 bytes, so the distance to the lane is a whole number of elements; if some
     # allocator did not, the buffer simply starts where the allocation does.
     start = ((lane % LANES) * LANE_BYTES - raw.data_ptr()) % PAGE_BYTES
-    # Its own storage from the lane on (module doc: torch.compile); the NumPy array it holds keeps the allocation.
-    buf = torch.frombuffer(raw.numpy(), dtype=dtype, count=numel, offset=start if start % element == 0 else 0)
+    start = start if start % element == 0 else 0
+    # Its own storage from the lane on (module doc: torch.compile): a slice of the allocation's storage, which keeps
+    # it alive by a C++ reference (torch.frombuffer over a NumPy view kept it by a Python object, which only the
+    # holder of the GIL can release).
+    lane_storage = raw.untyped_storage()[start: start + numel * element]
+    buf = torch.empty(0, dtype=dtype).set_(lane_storage, 0, (numel,))
     if zero:
         buf.zero_()
     return buf
