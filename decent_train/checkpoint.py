@@ -126,6 +126,10 @@ def auto_resume_dir(root: str, env: DistEnv) -> Optional[str]:
     try:
         name = os.path.basename(resolve_resume_dir(root)) if os.path.lexists(os.path.join(root, "latest")) else None
         seen = ("ok", name)
+        if name is not None and not os.path.isdir(os.path.join(root, name)):
+            # said by every rank here: load_checkpoint's os.listdir raised FileNotFoundError, a traceback on
+            # every rank at every torchrun restart
+            seen = ("error", missing_step_dir(os.path.join(root, name), os.path.join(root, "latest")))
     except (OSError, ValueError) as e:
         seen = ("error", f"{type(e).__name__}: {e}")
     everyone = [seen]
@@ -166,8 +170,16 @@ OTHER_WORLD_SIZE = ("a run resumes from these files at the world size that wrote
                     "or topology\" shows")
 
 
+def missing_step_dir(step_dir: str, named_by: Optional[str] = None) -> str:
+    return (f"{step_dir} does not exist (or is not a directory)" + (f", yet {named_by} names it" if named_by else "")
+            + ": give --resume a checkpoint directory whose latest step is there, or remove its 'latest' to start "
+              "afresh")
+
+
 def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, scheduler, generator) -> Progress:
     step_dir = resolve_resume_dir(path)
+    if not os.path.isdir(step_dir):  # a CheckpointError: one line (exit 2), not os.listdir's FileNotFoundError
+        raise CheckpointError(missing_step_dir(step_dir, os.path.join(path, "latest") if step_dir != path else None))
     file = os.path.join(step_dir, f"rank{env.rank}.pt")
     ranks = [int(m.group(1)) for m in map(re.compile(r"rank(\d+)\.pt").fullmatch, os.listdir(step_dir)) if m]
     if ranks and max(ranks) + 1 != env.world_size:  # said by every rank, one without a file of its own too

@@ -174,6 +174,33 @@ def test_resume_auto_is_decided_by_every_rank_alike(tmp_path):
     assert [os.path.basename(d) for d in agreed] == ["step_0000004"] * 2
 
 
+def _auto_missing_step(rank, world_size, root):
+    try:
+        return auto_resume_dir(root, DistEnv(rank=rank, world_size=world_size))
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_a_latest_naming_a_missing_step_dir_is_one_error_on_every_rank(tmp_path):
+    """`latest` naming a step directory that is gone (cleaned by hand): os.listdir's FileNotFoundError was a
+    traceback on every rank, at every torchrun restart; now a CheckpointError (the harness's one line, exit 2)
+    naming the directory, from --resume auto on every rank and from --resume DIR."""
+    root = str(tmp_path / "ck")
+    _step_dirs(root, "step_0000002")
+    _write_latest(root, "step_0000004")
+    gone = os.path.join(root, "step_0000004")
+    said = run_ranks(_auto_missing_step, 2, root)
+    for text in said:
+        assert f"{gone} does not exist" in text and f"{os.path.join(root, 'latest')} names it" in text, said
+    with pytest.raises(CheckpointError, match=f"{gone} does not exist"):
+        load_checkpoint(root, DistEnv(), None, None, None, None)
+    step = tmp_path / "step_0000006"
+    step.mkdir()
+    step.rmdir()  # --resume step_0000006 checked at parse time, removed before the load
+    with pytest.raises(CheckpointError, match=f"{step} does not exist"):
+        load_checkpoint(str(step), DistEnv(), None, None, None, None)
+
+
 # -------------------------------------------------------------------- what the harness writes loads
 
 CASES = [
