@@ -125,24 +125,30 @@ def auto_resume_dir(root: str, env: DistEnv) -> Optional[str]:
     it makes every rank raise, naming what each saw, instead of some ranks resuming and the others not."""
     try:
         name = os.path.basename(resolve_resume_dir(root)) if os.path.lexists(os.path.join(root, "latest")) else None
-        seen = ("ok", name)
+        # whether this rank's own file is there: a rank without one (rank 1 of 3) was refused by load_checkpoint
+        # alone, and the others, their files found, waited for it in the optimizer's set-up until the timeout
+        seen = ("ok", name, name is not None and os.path.isfile(os.path.join(root, name, f"rank{env.rank}.pt")))
         if name is not None and not os.path.isdir(os.path.join(root, name)):
             # said by every rank here: load_checkpoint's os.listdir raised FileNotFoundError, a traceback on
             # every rank at every torchrun restart
-            seen = ("error", missing_step_dir(os.path.join(root, name), os.path.join(root, "latest")))
+            seen = ("error", missing_step_dir(os.path.join(root, name), os.path.join(root, "latest")), False)
     except (OSError, ValueError) as e:
-        seen = ("error", f"{type(e).__name__}: {e}")
+        seen = ("error", f"{type(e).__name__}: {e}", False)
     everyone = [seen]
     if env.distributed:
         everyone = [None] * env.world_size
         dist.all_gather_object(everyone, seen)
-    errors = [f"rank {r}: {text}" for r, (kind, text) in enumerate(everyone) if kind == "error"]
+    errors = [f"rank {r}: {text}" for r, (kind, text, _) in enumerate(everyone) if kind == "error"]
     if errors:
         raise CheckpointError(f"--resume auto: the latest checkpoint in {root} cannot be read: {'; '.join(errors)}")
-    if len({text for _, text in everyone}) > 1:
-        views = ", ".join(f"rank {r}: {text or 'none'}" for r, (_, text) in enumerate(everyone))
+    if len({text for _, text, _ in everyone}) > 1:
+        views = ", ".join(f"rank {r}: {text or 'none'}" for r, (_, text, _) in enumerate(everyone))
         raise CheckpointError(f"--resume auto: the ranks see different latest checkpoints in {root} ({views}); every "
                               "rank must read the directory rank 0 commits to (a shared file system)")
+    without = [str(r) for r, (_, _, has_file) in enumerate(everyone) if name is not None and not has_file]
+    if without:
+        raise CheckpointError(f"--resume auto: {os.path.join(root, name)} has no file of rank(s) {', '.join(without)} "
+                              f"(rank<r>.pt) of this job's {env.world_size}; every rank resumes from its own file")
     if name is None:
         log.info("--resume auto: no committed checkpoint in %s (no %s): starting afresh", root,
                  os.path.join(root, "latest"))

@@ -152,6 +152,7 @@ def _auto_with_own_directory(rank, world_size, root, latest):
     """Each rank its own directory, as nodes without a shared file system have: rank 0's holds `latest`."""
     mine = os.path.join(root, f"node{rank}")
     _step_dirs(mine, "step_0000004")
+    open(os.path.join(mine, "step_0000004", f"rank{rank}.pt"), "wb").close()  # its own file (which is checked)
     if latest[rank] is not None:
         _write_latest(mine, latest[rank])
     try:
@@ -199,6 +200,20 @@ def test_a_latest_naming_a_missing_step_dir_is_one_error_on_every_rank(tmp_path)
     step.rmdir()  # --resume step_0000006 checked at parse time, removed before the load
     with pytest.raises(CheckpointError, match=f"{step} does not exist"):
         load_checkpoint(str(step), DistEnv(), None, None, None, None)
+
+
+def test_resume_auto_names_the_ranks_without_a_file_on_every_rank(tmp_path):
+    """A middle rank's file missing (rank 1 of 3): load_checkpoint's world-size check passed on ranks 0 and 2 (the
+    highest file is rank2.pt), which went on and waited for rank 1 in the optimizer's set-up until the timeout.
+    auto_resume_dir gathers whether each rank's own file is there, and every rank raises naming rank 1."""
+    root = str(tmp_path / "ck")
+    os.makedirs(os.path.join(root, "step_0000004"))
+    for r in (0, 2):
+        open(os.path.join(root, "step_0000004", f"rank{r}.pt"), "wb").close()
+    _write_latest(root, "step_0000004")
+    said = run_ranks(_auto_missing_step, 3, root)
+    for text in said:
+        assert isinstance(text, str) and "has no file of rank(s) 1 (rank<r>.pt) of this job's 3" in text, said
 
 
 # -------------------------------------------------------------------- what the harness writes loads
