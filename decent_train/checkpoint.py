@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
@@ -47,8 +48,10 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, scheduler, generator, progress: Progress):
-    """Every rank writes its own file: decentralized replicas (and every rank's data stream) differ."""
+def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, scheduler, generator, progress: Progress,
+                    keep: Optional[int] = None):
+    """Every rank writes its own file: decentralized replicas (and every rank's data stream) differ. `keep`
+    (--keep-checkpoints): how many committed steps to keep (None: all), see commit."""
     step_dir = os.path.join(root, step_dir_name(progress.step))
     # The optimizer first: a decentralized one synchronizes, which in ATC mode applies the pending mix to the
     # parameters. Copied before it, the model would lack that mix, and a resumed run (whose optimizer starts
@@ -64,7 +67,7 @@ def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, schedule
         "world_size": env.world_size, "bytes_sent": strategy.bytes_sent,
     }
     write_rank_file(step_dir, env.rank, state)
-    commit(root, step_dir, env)
+    commit(root, step_dir, env, keep)
     log.info("checkpoint written: %s", step_dir)
 
 
@@ -76,18 +79,38 @@ def write_rank_file(step_dir: str, rank: int, state: dict):
     os.replace(path + ".tmp", path)
 
 
-def commit(root: str, step_dir: str, env: DistEnv):
+def commit(root: str, step_dir: str, env: DistEnv, keep: Optional[int] = None):
     """Called by every rank once it wrote its file of step_dir: after a barrier, rank 0 makes root/latest name it.
     `latest` thus only names a step every rank finished writing: a rank killed while the others saved (before the
     barrier) leaves the previous commit, and a resume loads the same step on every rank. Overwriting one file per
     rank in place instead left rank 0 at the new step and a rank killed before its own save at the old one, and
-    every restart loaded those same mismatched files again."""
+    every restart loaded those same mismatched files again. With `keep` (N >= 1), rank 0 then deletes the
+    committed step directories older than the newest N (prune_step_dirs)."""
     if env.distributed:
         dist.barrier()
     if env.is_main:
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(os.path.basename(step_dir))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        if keep is not None:
+            prune_step_dirs(root, os.path.basename(step_dir), keep)
+
+
+def prune_step_dirs(root: str, latest: str, keep: int):
+    """Deletes root's step directories up to `latest` (the step just committed) but the newest `keep` of them,
+    never `latest` itself; without it every checkpoint stayed on disk. A step directory after `latest` is a save not
+    committed (of an attempt before a restart, or of a rank killed mid-write, with its rank<r>.pt.tmp): a later save
+    of that step rewrites it, so it stays. Symlinks are not followed, nor deleted; a deletion that fails is logged
+    and the run goes on (a full disk should not also stop training)."""
+    number = int(latest[len("step_"):])
+    steps = sorted((int(n[len("step_"):]), n) for n in os.listdir(root) if STEP_DIR.fullmatch(n)
+                   and not os.path.islink(os.path.join(root, n)) and os.path.isdir(os.path.join(root, n)))
+    older = [n for step, n in steps if step <= number and n != latest]
+    for name in older[:max(0, len(older) - (keep - 1))]:
+        try:
+            shutil.rmtree(os.path.join(root, name))
+        except OSError as e:
+            log.warning("--keep-checkpoints: could not delete %s: %s", os.path.join(root, name), e)
 
 
 def inside(path: str, directory: str) -> str:

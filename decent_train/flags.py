@@ -225,7 +225,12 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="directory for the CSV/JSON logs and the PNG plot (rank 0) (default: none, no logs written)")
     g.add_argument("--checkpoint", default=None,
                    help="checkpoint directory: writes PATH/step_NNNNNNN/rank<r>.pt (one file per rank, replicas differ) "
-                        "(default: none, no checkpoints)")
+                        "and PATH/latest, the newest step every rank finished; every step directory stays unless "
+                        "--keep-checkpoints is given, as does one not committed (a rank killed mid-write leaves its "
+                        "rank<r>.pt.tmp there) until a save of that step rewrites it (default: none, no checkpoints)")
+    g.add_argument("--keep-checkpoints", type=count(1), default=None,
+                   help="keep the newest N committed step directories (the one PATH/latest names always among them): "
+                        "after each commit rank 0 deletes the older ones (default: keep all)")
     g.add_argument("--checkpoint-every", type=count(1), default=None, help="checkpoint every N steps (default: --eval-every)")
     g.add_argument("--resume", default=None,
                    help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory; 'auto': "

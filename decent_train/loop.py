@@ -303,7 +303,8 @@ def train(job: Job, stopwatch_cls=None) -> dict:
                 if do_eval:  # rewritten at every evaluation, so a killed run keeps its log
                     runlog.write(job.config, summarize(args, task, env, strategy, progress))
             if do_ckpt:
-                save_checkpoint(args.checkpoint, env, model, strategy, scheduler, generator, progress)
+                save_checkpoint(args.checkpoint, env, model, strategy, scheduler, generator, progress,
+                                getattr(args, "keep_checkpoints", None))
             watch.start()  # evaluation and checkpointing are not training time
 
     result = summarize(args, task, env, strategy, progress)
