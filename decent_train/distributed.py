@@ -9,7 +9,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+log = logging.getLogger("decent_train")
 
 
 def setup_logging(rank: int):
@@ -37,9 +39,10 @@ class DistEnv:
 
 
 def init_distributed(device: str = "auto") -> DistEnv:
-    """Joins the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment; works the
-    same for --standalone and multi-node c10d rendezvous). gloo on CPU, nccl on GPU, on keys of this torchrun
-    restart attempt (init_process_group_per_attempt), so that `--max-restarts` can bring the job back. A group that
+    """Joins the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment; --standalone or a
+    multi-node c10d rendezvous). gloo on CPU, nccl on GPU, on keys of this torchrun restart attempt
+    (init_process_group_per_attempt), so that `--max-restarts` can bring a one-node job back; across nodes restarts
+    are not supported (docs/restarts.md: the agents' restart counts may differ), which it warns about. A group that
     already exists (tests) is reused; without torchrun the example runs as a single process."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -70,9 +73,37 @@ def init_process_group_per_attempt(backend: str, timeout: Optional[datetime.time
     carry no attempt number, so a restarted rank could read a dead rank's address from the attempt before and fail
     in gloo's connectFullMesh ("Connection refused"). dist.rendezvous builds the store exactly as a plain
     init_process_group would (its 30 min timeout included); kwargs (device_id, ...) go to init_process_group."""
+    attempt, across_nodes = restart_attempt(), restarts_across_nodes()
+    if across_nodes and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node
+        log.warning("torchrun --max-restarts with %s nodes: restarts are supported on one node only "
+                    "(docs/restarts.md): torchrun counts restarts per node, so after a restart the nodes' ranks may "
+                    "join under different attempt numbers and wait for each other until the timeout",
+                    os.environ["GROUP_WORLD_SIZE"])
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or default_pg_timeout))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{restart_attempt()}", store), rank=rank,
-                            world_size=world_size, **({"timeout": timeout} if timeout else {}), **kwargs)
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                                world_size=world_size, **({"timeout": timeout} if timeout else {}), **kwargs)
+    except dist.DistStoreError as e:
+        # The group's keys carry the attempt number: ranks at different numbers never meet, and torch's error named
+        # only a key ("wait timeout ... keys: /attempt1/0//cpu//0/1"), after the store's timeout (30 min by default).
+        if "timeout" not in str(e) or not (attempt > 0 or across_nodes):
+            raise
+        raise RendezvousTimeout(
+            f"the process group of torchrun restart attempt {attempt} (this rank's TORCHELASTIC_RESTART_COUNT) "
+            f"timed out waiting for the other ranks ({' '.join(str(e).split())}): the ranks' restart counts may "
+            "differ (torchrun counts restarts per node, and a node restarted for a membership change keeps its "
+            "count), so they wait under different attempt numbers; restarts are supported on one node only "
+            "(docs/restarts.md)") from e
+
+
+class RendezvousTimeout(RuntimeError):
+    """A restarted attempt's process group timed out waiting for its ranks (init_process_group_per_attempt)."""
+
+
+def restarts_across_nodes() -> bool:
+    """torchrun started several agents (GROUP_WORLD_SIZE, its node count) and allows restarts: the case
+    init_process_group_per_attempt does not remedy."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
 
 
 def job_world_size() -> int:

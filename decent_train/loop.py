@@ -24,7 +24,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .checkpoint import Progress, apply_resumed_hyperparameters, auto_resume_dir, load_checkpoint, save_checkpoint
-from .distributed import DistEnv, close_distributed, init_distributed, job_world_size, rank_seed, setup_logging
+from .distributed import (DistEnv, RendezvousTimeout, close_distributed, init_distributed, job_world_size, rank_seed,
+                          setup_logging)
 from .flags import PROFILED, RESUME_AUTO, resolve_defaults
 from .lr_schedule import make_lr_scheduler
 from .plot import plot_runs
@@ -238,7 +239,11 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
         resolve_defaults(args, lr_defaults, job_world_size())
     except ValueError as e:
         raise SetupError(" ".join(str(e).split()), int(os.environ.get("RANK", 0)), same_on_every_rank=True) from e
-    env = init_distributed(args.device)
+    setup_logging(int(os.environ.get("RANK", 0)))  # init_distributed may warn (restarts across nodes)
+    try:
+        env = init_distributed(args.device)
+    except RendezvousTimeout as e:  # one line, exit 2, naming the attempt, instead of torch's key and traceback
+        raise SetupError(str(e), int(os.environ.get("RANK", 0))) from e
     setup_logging(env.rank)
     job = Job(args, env)
     try:
