@@ -71,21 +71,29 @@ def init_process_group_per_attempt(backend: str, timeout: Optional[datetime.time
     agent's store, or rank 0's), with the group's keys under a prefix of this restart attempt: docs/restarts.md's
     recipe for `torchrun --max-restarts` ("Restarts"). The attempts share the agent's store and a plain group's keys
     carry no attempt number, so a restarted rank could read a dead rank's address from the attempt before and fail
-    in gloo's connectFullMesh ("Connection refused"). dist.rendezvous builds the store exactly as a plain
-    init_process_group would (its 30 min timeout included); kwargs (device_id, ...) go to init_process_group."""
+    in gloo's connectFullMesh ("Connection refused"). The store's timeout is `timeout`, else the backend's default
+    group timeout (nccl 10 min, else 30 min), as a plain init_process_group sets it; kwargs (device_id, ...) go to
+    init_process_group, except init_method, store, rank and world_size, which the env:// rendezvous decides (a
+    ValueError: they were passed on beside it, a TypeError or torch's own refusal)."""
+    chosen = sorted(set(kwargs) & {"init_method", "store", "rank", "world_size"})
+    if chosen:
+        raise ValueError(f"init_process_group_per_attempt joins by env:// (RANK, WORLD_SIZE, MASTER_ADDR/PORT) under "
+                         f"a prefix of this attempt: it takes no {', '.join(chosen)}")
+    timeout = timeout or (default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout is not None
+                          else default_pg_timeout)
     attempt, across_nodes = restart_attempt(), restarts_across_nodes()
     if across_nodes and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node
         log.warning("torchrun --max-restarts with %s nodes: restarts are supported on one node only "
                     "(docs/restarts.md): torchrun counts restarts per node, so after a restart the nodes' ranks may "
                     "join under different attempt numbers and wait for each other until the timeout",
                     os.environ["GROUP_WORLD_SIZE"])
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or default_pg_timeout))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     try:
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                                world_size=world_size, **({"timeout": timeout} if timeout else {}), **kwargs)
+                                world_size=world_size, timeout=timeout, **kwargs)
     except dist.DistStoreError as e:
         # The group's keys carry the attempt number: ranks at different numbers never meet, and torch's error named
-        # only a key ("wait timeout ... keys: /attempt1/0//cpu//0/1"), after the store's timeout (30 min by default).
+        # only a key ("wait timeout ... keys: /attempt1/0//cpu//0/1"), after the timeout (30 min by default on gloo).
         if "timeout" not in str(e) or not (attempt > 0 or across_nodes):
             raise
         raise RendezvousTimeout(

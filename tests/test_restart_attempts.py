@@ -9,6 +9,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from decent_train.distributed import init_process_group_per_attempt
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the harness with a 3 s group timeout (the default is 30 min), so the mismatched attempts time out quickly
 CHILD = """
@@ -48,3 +54,29 @@ def test_ranks_at_different_attempts_say_so_in_one_line_each():
         assert len(errors) == 1, err[-3000:]
         assert f"torchrun restart attempt {rank} " in errors[0], errors
         assert "restart counts may differ" in errors[0] and f"/attempt{rank}/" in errors[0], errors
+
+
+class _Joined(Exception):
+    pass
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_the_store_timeout_is_the_one_a_plain_init_sets(monkeypatch, backend):
+    """A plain init_process_group opens the env:// store with the backend's default timeout (torch's
+    _get_default_timeout: nccl 10 min); the per-attempt join opened it with 30 min for every backend."""
+    seen = []
+
+    def rendezvous(url, timeout):
+        seen.append(timeout)
+        raise _Joined
+    monkeypatch.setattr(dist, "rendezvous", rendezvous)
+    with pytest.raises(_Joined):
+        init_process_group_per_attempt(backend)
+    assert seen == [c10d._get_default_timeout(backend)]
+
+
+@pytest.mark.parametrize("kwarg", ["init_method", "store", "rank", "world_size"])
+def test_what_the_env_rendezvous_decides_is_refused_by_name(monkeypatch, kwarg):
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: pytest.fail("joined despite the refused argument"))
+    with pytest.raises(ValueError, match=f"it takes no {kwarg}"):
+        init_process_group_per_attempt("gloo", **{kwarg: None})
