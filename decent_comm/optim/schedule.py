@@ -31,6 +31,7 @@ from ..topology import Adaptive
 from . import finite_check
 from .adaptation import AdaptiveDriver
 from .int8_wire import Int8Wire
+from .interrupts import HeldInterrupt
 from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
 from .param_versions import check_unwritten, note_landed, written
@@ -267,14 +268,16 @@ class GossipSchedule(ScheduleCheckpoint):
         kept in `mix_error` while the mix it failed is pending, so that shutdown() - called in a `finally:` after it,
         typically - logs that the mix was not applied instead of raising the same error again. A call mixing other
         buckets (a later module's pre-hook) keeps it. Kept without its traceback (exchange.arrival.detached), whose
-        frames hold the optimizer: an optimizer dropped after the failure would never be freed."""
-        try:
-            self._mix_pending(bucket_ids)
-        except Exception as e:
-            self.mix_error = detached(e)
-            raise
-        if not self.pending:  # every mix applied: nothing that failed is left
-            self.mix_error = None
+        frames hold the optimizer: an optimizer dropped after the failure would never be freed. A Ctrl-C is raised
+        once the listed buckets are mixed and marked so (a forward pre-hook's, synchronize()'s: outside step())."""
+        with HeldInterrupt():  # raised between a bucket's mix and its mark, the retried forward mixed it twice
+            try:
+                self._mix_pending(bucket_ids)
+            except Exception as e:
+                self.mix_error = detached(e)
+                raise
+            if not self.pending:  # every mix applied: nothing that failed is left
+                self.mix_error = None
 
     def _mix_pending(self, bucket_ids):
         if not self.pending:
