@@ -1,13 +1,15 @@
-"""What a step, mix or average left half done leaves behind: a Ctrl-C (a real SIGINT) is held until the ATC mix it
-lands in is whole, and raised then, so the run goes on as if it had come after."""
+"""What a step, mix or average left half done leaves behind: a Ctrl-C (a real SIGINT) is held until the ATC mix or
+the global average it lands in is whole, and raised then, so the run goes on as if it had come after."""
 
 import os
 import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import decent_comm
+import decent_comm.optim.averaging as averaging
 import decent_comm.optim.schedule as schedule_module
 
 from dist_utils import run_ranks
@@ -75,3 +77,60 @@ def test_ctrl_c_in_an_atc_pre_hook_mix_is_raised_once_the_bucket_is_mixed_and_ma
                                                                  timeout=300)):
         assert ref_log == [] and log == ([(INTERRUPTED_AT, 0)] if rank == 0 else []), (rank, log)
         assert torch.equal(got, ref), (rank, (got - ref).abs().max().item())
+
+
+def _average_interrupted(rank, n, utility):
+    torch.manual_seed(rank)  # replicas that differ
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", bucket_cap_mb=0.0002, timeout=5)  # 6 buckets
+    for t in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    opt.synchronize()
+    gathered = [torch.empty_like(_flat(model)) for _ in range(n)]
+    dist.all_gather(gathered, _flat(model))
+    own = _flat(model)
+    undo = _sigint_after(averaging, "all_reduce_mean_", 2, rank == 0)  # Ctrl-C after bucket 1's all-reduce
+    averaged = None
+    try:
+        if utility == "global_average":
+            with opt.global_average():
+                averaged = _flat(model)
+            assert torch.equal(_flat(model), own)  # restored
+        else:
+            opt.average_parameters()
+        outcome = "averaged"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    finally:
+        undo()
+    if utility == "global_average":  # rank 0's Ctrl-C came as it entered: its own parameters back, and no average
+        assert torch.equal(_flat(model), own)
+        return outcome, torch.stack(gathered).mean(0), averaged
+    averaged = _flat(model)
+    for group in opt.param_groups:  # a step mixing equal replicas keeps them: nothing stale may be mixed in
+        group["lr"] = 0.0
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.synchronize()
+    after = _flat(model)
+    opt.shutdown()
+    return outcome, torch.stack(gathered).mean(0), averaged, after
+
+
+@pytest.mark.parametrize("utility", ["average_parameters", "global_average"])
+def test_ctrl_c_during_a_global_average_is_raised_once_the_average_is_whole(utility):
+    """Raised between two buckets' all-reduces, it left rank 0 half averaged, and rank 1 waited for the all-reduce
+    of bucket 2 (gloo then aborted rank 0 on the mismatched collective of its next step) and blamed rank 0, which
+    was alive; average_parameters() had not forgotten the exchange in flight."""
+    results = run_ranks(_average_interrupted, 2, utility, timeout=120)
+    assert [r[0] for r in results] == ["KeyboardInterrupt", "averaged"]
+    mean = results[0][1]
+    if utility == "global_average":
+        torch.testing.assert_close(results[1][2], mean, rtol=0, atol=1e-6)
+        return
+    for outcome, _, averaged, after in results:
+        torch.testing.assert_close(averaged, mean, rtol=0, atol=1e-6)
+        torch.testing.assert_close(after, mean, rtol=0, atol=1e-6)
