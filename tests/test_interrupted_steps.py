@@ -1,5 +1,6 @@
 """What a step, mix or average left half done leaves behind: a Ctrl-C (a real SIGINT) is held until the ATC mix or
-the global average it lands in is whole, and raised then, so the run goes on as if it had come after."""
+the global average it lands in is whole, and raised then, so the run goes on as if it had come after; after a
+check_finite error the optimizer is unusable, so a retried step raises again without touching a parameter."""
 
 import os
 import signal
@@ -134,3 +135,47 @@ def test_ctrl_c_during_a_global_average_is_raised_once_the_average_is_whole(util
     for outcome, _, averaged, after in results:
         torch.testing.assert_close(averaged, mean, rtol=0, atol=1e-6)
         torch.testing.assert_close(after, mean, rtol=0, atol=1e-6)
+
+
+def _retried_after_check_finite(rank, n):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, topology="ring", bucket_cap_mb=0.0002, timeout=10,
+                           check_finite=True)
+    first = None
+    for t in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        if rank == 1 and t == 2:
+            model[2].weight.grad.fill_(float("nan"))  # rank 1 raises at step 2, rank 0 on receiving it at step 3
+        try:
+            opt.step()
+        except RuntimeError as e:
+            first = str(e)
+            break
+    before = [p.detach().clone() for p in model.parameters()]
+    later = {}
+    for name, call in [("step", opt.step), ("synchronize", opt.synchronize), ("state_dict", opt.state_dict),
+                       ("consensus_distance", opt.consensus_distance)]:
+        try:
+            call()
+            later[name] = "no error"
+        except RuntimeError as e:
+            later[name] = str(e)
+    unchanged = all(torch.allclose(a, p.detach(), rtol=0, atol=0, equal_nan=True)
+                    for a, p in zip(before, model.parameters()))
+    opt.shutdown()
+    return first, later, unchanged
+
+
+def test_after_a_check_finite_error_every_later_call_raises_it_and_changes_nothing():
+    """Rank 0's error came from the per-bucket loop after buckets 0-2 were mixed and updated: every retry of step()
+    mixed and updated them again before raising the same message."""
+    for rank, (first, later, unchanged) in enumerate(run_ranks(_retried_after_check_finite, 2, timeout=180)):
+        assert first is not None and "check_finite=True" in first, (rank, first)
+        assert ("not finite after optimizer step 2" if rank == 1 else "received non-finite values from rank 1") \
+            in first, (rank, first)
+        assert unchanged, rank
+        for name, said in later.items():
+            assert said.startswith("decent_comm: ") and f"{name}(): unusable after an earlier check_finite error" \
+                in said and first in said, (rank, name, said)

@@ -164,10 +164,14 @@ def _utility_after_check_finite_raised(rank, n):
     return first[0], _outcome(lambda: opt.global_average().__enter__())
 
 
-def test_an_error_of_check_finite_does_not_stop_a_later_whole_group_all_reduce():
-    """Its mark reaches the gossip's peers only: on the whole-group all-reduces too, it stopped every later one that
-    took longer than a look, saying ranks [1, 2] failed first (review BQ)."""
+def test_after_an_error_of_check_finite_a_whole_group_utility_refuses_at_once_quoting_it():
+    """Its mark reached the whole-group all-reduces too: it stopped every later one that took longer than a look,
+    saying ranks [1, 2] failed first (review BQ). Now the mark stays on the gossip, and a rank that raised
+    check_finite's error is unusable (review CZ 2): each refuses the utility at once, before its all-reduce, quoting
+    its own error, and none is stopped by another's mark or waits for one."""
     res = run_ranks(_utility_after_check_finite_raised, 3, timeout=150)
     for rank, (raised, (words, took)) in enumerate(res):
         assert raised.startswith("RuntimeError: ") and "not finite" in raised, (rank, raised)
-        assert words == "no error", (rank, words)
+        assert words.startswith("RuntimeError: decent_comm: global_average(): unusable after an earlier check_finite "
+                                "error") and words.endswith(raised[len("RuntimeError: "):]), (rank, words)
+        assert took < 1.0, (rank, took)

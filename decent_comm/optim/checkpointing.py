@@ -95,7 +95,8 @@ class StateDictMixin:
 
     def _state_dict(self):
         self._adopt_state_edits()  # what the user edited since the last step is what a torch.optim checkpoint holds
-        self._schedule.synchronize()  # not announced: a state_dict() on some ranks only (rank 0 saving) works
+        # not announced: a state_dict() on some ranks only (rank 0 saving) works
+        self._schedule.synchronize("state_dict()")
         self._publish_round_state(self._schedule.checkpoint_correction())
         sd = self._optimizer_state_dict()
         # Where the gossip schedule stands travels in param group 0: torch.distributed.checkpoint keeps only

@@ -2,12 +2,12 @@
 that follows (functions of the schedule `s`: its buckets, exchange, all_reduce, warmup and rank).
 
 A rank whose own parameters are non-finite raises once the exchange it posted completed; a rank that received
-non-finite values raises in the step that mixes them. Either first leaves its error in the store (the exchange
-layer's ``report``: on this failure only, nothing on the per-step path), so that a rank which saw nothing - a
-neighbour of neither, whose next transfer or whole-group all-reduce then fails because those ranks stopped - names
-it too ("rank 2 raised an error of its own before (the likely cause): ... not finite ...") instead of a dead peer;
-and once what its peers are to receive from it went out, it marks that it stops (``_stopping``), so that a peer
-waiting for it while its process lives on stops waiting too.
+non-finite values raises in the step that mixes them; either is then unusable (check_usable). Either first leaves
+its error in the store (the exchange layer's ``report``: on this failure only, nothing on the per-step path), so that
+a rank which saw nothing - a neighbour of neither, whose next transfer or whole-group all-reduce then fails because
+those ranks stopped - names it too ("rank 2 raised an error of its own before (the likely cause): ... not finite
+...") instead of a dead peer; and once what its peers are to receive from it went out, it marks that it stops
+(``_stopping``), so that a peer waiting for it while its process lives on stops waiting too.
 
 On a round of the 8-bit wire the sender looks at its own public copy once encoded, in place of its parameters (the
 same cost): the copy is non-finite where the parameters are, and also where the parameters are finite but the
@@ -119,10 +119,23 @@ def check_received(s, b, plan: MixPlan, neighbors: List[torch.Tensor]):
 
 
 def _reported(s, body: str) -> RuntimeError:
-    """Leaves `body` for the other ranks and returns this rank's error for it."""
+    """Leaves `body` for the other ranks and returns this rank's error for it, kept as the schedule's `failed`."""
     if s.exchange is not None:  # and the whole-group all-reduces (its companion): where another rank may fail next
         s.exchange.report(body)
-    return RuntimeError(f"decent_comm: rank {s.rank}: {body}")
+    error = RuntimeError(f"decent_comm: rank {s.rank}: {body}")
+    s.failed = s.failed or str(error)
+    return error
+
+
+def check_usable(s, what: str) -> None:
+    """RuntimeError quoting check_finite's first error once one was raised, before `what` touches anything. The
+    error leaves the step part done (a neighbour's non-finite bucket k is found after buckets 0..k-1 were mixed and
+    updated: checking every bucket first would wait for the last one's transfer before the first update, the overlap
+    lost), this rank has told its peers it stopped, and a retry mixed and updated those buckets again before raising
+    the same words: unusable, as after an exchange's error."""
+    if s.failed is not None:
+        raise RuntimeError(f"decent_comm: {what}: unusable after an earlier check_finite error (build a new optimizer "
+                           f"and load a checkpoint, or restart the process); the error was: {s.failed}")
 
 
 def _stopping(s):

@@ -8,6 +8,7 @@ import torch
 
 from .._args import integer
 from .agreement import announce
+from . import finite_check
 from .buckets import adopt_storage
 
 
@@ -105,6 +106,7 @@ class ReplicaWatch:
         """Before a collective utility's all-reduces (and before ATC's synchronize, which would wait for a round a
         rank at another step never sends): every rank raises if they are not all at this utility and step, or if the
         process group was destroyed under the optimizer (GossipExchange.check_group)."""
+        finite_check.check_usable(self._schedule, what)  # raised here: not after a collective the others then wait on
         if self._schedule.exchange is not None:
             self._schedule.exchange.check_group(what)
         self._module_watch.check(what)  # the model's parameters are still the buckets' (module_watch)

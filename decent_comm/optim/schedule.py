@@ -72,6 +72,7 @@ class GossipSchedule(ScheduleCheckpoint):
         self._hooks = None               # atc: MixBeforeUse
         self._shut_down = False          # shutdown() released the exchange: no more steps
         self.mix_error = None            # atc: the error of a mix still pending (mix_pending)
+        self.failed = None               # check_finite's first error: every later call raises it (finite_check)
         self.device = buckets[0].device if buckets else torch.device("cpu")
         # comm_dtype=torch.int8: public copies and quantized deltas, point to point (decent_comm.optim.int8_wire)
         self.int8_wire = Int8Wire(topology, rank) if comm_dtype == torch.int8 else None
@@ -284,6 +285,8 @@ class GossipSchedule(ScheduleCheckpoint):
             return
         plan = self._mix_form(self.inflight)
         ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
+        if ids:  # (a forward of modules whose buckets are mixed already mixes nothing: not refused)
+            finite_check.check_usable(self, "the pending ATC mix")
         check_unwritten([self.buckets[i] for i in ids])  # before the mix, which would hide a write while in flight
         if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
             self.meter.begin()
@@ -319,8 +322,9 @@ class GossipSchedule(ScheduleCheckpoint):
             self.exchange.synchronize()
         note_landed(self.buckets)
 
-    def synchronize(self):
+    def synchronize(self, what: str = "synchronize()"):
         """ATC: applies the pending mix (the parameters are then exactly x^{t+1}); then completes transfers."""
+        finite_check.check_usable(self, what)
         if self.mode == "atc" and self.pending:
             self.mix_pending()
         self.complete_transfers()
@@ -358,12 +362,14 @@ class GossipSchedule(ScheduleCheckpoint):
                                "step would mix stale neighbour buffers; build a new optimizer to train on")
         if self.exchange is not None:
             self.exchange.check_group("step()")
+        finite_check.check_usable(self, what)
 
     def shutdown(self):
         # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
         # x^{t+1}, as after synchronize(). Everything is released even if it fails. A mix that failed (or whose
         # exchange did) is not tried: raising it again (shutdown() in a `finally:`) buried the error being handled.
-        first, failed = None, self.mix_error or (self.exchange.error if self.exchange is not None else None)
+        ex = self.exchange
+        first, failed = None, self.failed or self.mix_error or (ex.error if ex is not None else None)
         if self.mode == "atc" and self.pending and not self._shut_down:
             try:
                 if failed is None:
