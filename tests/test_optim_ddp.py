@@ -148,3 +148,31 @@ def test_ddp_ignoring_only_some_of_our_parameters_is_refused():
     """DDP would all-reduce model[0]'s bias, which the optimizer gossips."""
     for msg in run_ranks(_hybrid, 2, "after", ["0.weight"], timeout=120):
         assert "wrapped in DistributedDataParallel" in str(msg), msg
+
+
+@pytest.mark.parametrize("give_model", [True, False])
+def test_an_optimizer_collected_while_torch_runs_registration_hooks(give_model):
+    """Each optimizer's DDP guard registered a global submodule-registration hook of its own and removed it when the
+    optimizer was collected. torch's add_module iterates that dict itself, so a cyclic GC started inside a
+    registration hook (any allocation in one, as module_watch's) that collected a dropped optimizer raised
+    "OrderedDict mutated during iteration" from the user's nn.Sequential(...) (seen in CI). Here a hook collects
+    garbage at each registration while an optimizer kept alive only by a reference cycle waits to be collected."""
+    import gc
+    from torch.nn.modules.module import register_module_module_registration_hook
+    collect = register_module_module_registration_hook(lambda parent, name, module: gc.collect())
+    try:
+        for _ in range(3):
+            model = torch.nn.Linear(2, 2)
+            opt = decent_comm.DSGD(model.parameters(), lr=0.1, model=model if give_model else None)
+            opt.own_cycle = opt  # only the cyclic GC frees it
+            del opt
+            torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    finally:
+        collect.remove()
+    # the guard still refuses a DDP wrap made while an optimizer lives (its hook is shared now)
+    model = torch.nn.Linear(2, 2)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, model=model)
+    from decent_comm.optim.ddp_guard import _on_module_registration
+    with pytest.raises(RuntimeError, match="wrapped in DistributedDataParallel"):
+        _on_module_registration(DDP.__new__(DDP), "module", model)  # DDP.__init__'s `self.module = module`
+    opt.shutdown()

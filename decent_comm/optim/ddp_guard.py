@@ -12,6 +12,19 @@ _DDP_MESSAGE = ("decent_comm: the model is wrapped in DistributedDataParallel, w
                 "`.module`) and give the optimizer the plain model's parameters.")
 
 
+_guards: "weakref.WeakSet[DDPGuard]" = weakref.WeakSet()  # the live guards, for the one registration hook below
+_registration_hook = []  # its handle, registered with the first guard and never removed
+
+
+def _on_module_registration(parent, name, module):
+    """The one global submodule-registration hook of all guards. Never removed: torch's add_module iterates its
+    registration hooks' dict itself, and a guard closed from a finalizer (its optimizer collected by a cyclic GC
+    that an allocation in any such hook can start) removed its own hook mid-iteration: "OrderedDict mutated during
+    iteration" raised from a user's nn.Sequential(...)."""
+    for guard in list(_guards):
+        guard._wrap_hook(parent, name, module)
+
+
 class DDPGuard:
     """Refuses a model left wrapped in DDP. A wrap made while the optimizer lives: in DDP's constructor, before its
     broadcast of rank 0's parameters (a global hook on submodule registration, kept: it runs when any module assigns
@@ -31,7 +44,9 @@ class DDPGuard:
             self._handle, self._global = model.register_forward_pre_hook(self._model_hook), False
         else:
             self._handle, self._global = register_module_forward_pre_hook(self._hook), True
-        self._wrap_handle = register_module_module_registration_hook(self._wrap_hook)
+        if not _registration_hook:
+            _registration_hook.append(register_module_module_registration_hook(_on_module_registration))
+        _guards.add(self)
         weakref.finalize(owner, self.close)
 
     def _reduces_ours(self, module):
@@ -64,7 +79,7 @@ class DDPGuard:
     def close(self):
         """At shutdown() (or when the optimizer is collected): a DDP wrap is the user's to make from now on (a run
         that ends with DDP fine-tuning), as the optimizer no longer gossips."""
-        for handle in (self._handle, self._wrap_handle):
-            if handle is not None:
-                handle.remove()
-        self._handle = self._wrap_handle = None
+        _guards.discard(self)
+        if self._handle is not None:  # (torch's module call copies its forward pre-hooks before running them)
+            self._handle.remove()
+        self._handle = None
