@@ -32,10 +32,11 @@ Two ways around the assumption, and what catches them:
   step(), and a warning names it (that one step's gradient was taken at the unmixed point).
 """
 
+import gc
 import logging
 
 import weakref
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -43,15 +44,48 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 log = logging.getLogger("decent_comm")
 
 
+# Module hook handles let go of during a cyclic garbage collection (a schedule collected, or shut down by its
+# optimizer's finalizer): removed at the next safe point (a new MixBeforeUse, a removal outside a collection). A collection
+# runs wherever an allocation starts it, also inside torch's loop over a module's state_dict pre-hooks (which
+# iterates that dict itself): removing one there raised "OrderedDict mutated during iteration" from the user's
+# model.state_dict(). Until then they are no-ops (their schedule is gone or shut down).
+_orphaned: List[list] = []
+_collecting = [False]  # inside a cyclic garbage collection (gc.callbacks)
+
+
+def _note_collection(phase, info) -> None:
+    _collecting[0] = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
+def _remove_orphaned() -> None:
+    while _orphaned and not _collecting[0]:
+        for handle in _orphaned.pop():
+            handle.remove()
+
+
+def _let_go(global_handles: list, handles: list) -> None:
+    """The finalizer's removal. The global forward pre-hook goes at once (torch copies that dict before running
+    it, and while it lives every module call anywhere takes the hooks' slow path); the modules' hooks at once only
+    outside a collection."""
+    for handle in global_handles:
+        handle.remove()
+    _orphaned.append(handles)
+    _remove_orphaned()
+
+
 class MixBeforeUse:
     def __init__(self, schedule, model: Optional[torch.nn.Module] = None):
+        _remove_orphaned()
         self._schedule = weakref.ref(schedule)  # the hooks must not keep an optimizer alive
         self._bucket_of: Dict[int, int] = {id(s.param): b.index for b in schedule.buckets for s in b.slots}
         self._missing = {b.index: {id(s.param) for s in b.slots} for b in schedule.buckets}
         self._owned: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._distrusted: Set[int] = set()  # buckets a training forward used without their module's hook
         self._covers: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-        self._handles = []
+        self._handles, self._global_handles = [], []
         # A compiled forward was traced, or a forward captured into a CUDA graph: nothing is deferred any more, step()
         # mixes every bucket (_stop_deferring, _captured)
         self._deferral_off = False
@@ -69,10 +103,10 @@ class MixBeforeUse:
             # one's WeakKeyDictionary lookup of the module failed the compile (Dynamo: the module "is already
             # tracked for mutation"). Disabled, it makes Dynamo run the modules with parameters eagerly (any
             # compiled model's, while this optimizer lives): correct, not compiled. model= hooks do trace.
-            self._handles.append(register_module_forward_pre_hook(torch.compiler.disable(self._hook)))
-        # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict).
-        handles = self._handles
-        self._finalizer = weakref.finalize(schedule, lambda: [h.remove() for h in handles])
+            self._global_handles.append(register_module_forward_pre_hook(torch.compiler.disable(self._hook)))
+        # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict), at the
+        # next safe point (_orphaned).
+        self._finalizer = weakref.finalize(schedule, _let_go, self._global_handles, self._handles)
 
     def _learn(self, module: torch.nn.Module) -> tuple:
         """Bucket ids of the parameters `module` holds directly; those parameters now count as covered."""
