@@ -10,12 +10,12 @@ import signal
 import sys
 import time
 
+from decent_train import loop  # the package: the test runs this script with PYTHONPATH at the repository root
+from decent_train.distributed import restart_attempt
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from decent_train import loop  # noqa: E402
-
-attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ["RANK"])
+attempt, rank = restart_attempt(), int(os.environ["RANK"])
 KILL_AFTER, LATE_S = int(os.environ.get("KILL_AFTER", "-1")), float(os.environ.get("LATE_S", "0"))
 
 if attempt == 0 and rank == 1 and KILL_AFTER >= 0:
