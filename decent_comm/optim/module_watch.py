@@ -33,7 +33,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 _watches: "weakref.WeakSet[ModuleWatch]" = weakref.WeakSet()  # the live watches, for the hooks below
 
 
-def _count(module, name, value):
+def _mark(module, name, value):
     """torch's global registration hooks: a Parameter or module assigned on `module`. Only a watch whose model holds
     `module` must look again; others (a module built inside a forward, an eval copy, AveragedModel, a GraphModule
     dynamo builds) cost each a set lookup, where a process-wide count made every step walk the whole model twice."""
@@ -70,8 +70,8 @@ class ModuleWatch:
         if model is None:
             return
         if not _hooks:
-            _hooks.extend([register_module_parameter_registration_hook(_count),
-                           register_module_module_registration_hook(_count)])
+            _hooks.extend([register_module_parameter_registration_hook(_mark),
+                           register_module_module_registration_hook(_mark)])
         self._watched = {id(p): p for p in params}
         self._record()
         _watches.add(self)
