@@ -114,6 +114,7 @@ def agree_on_step(all_reduce, step: int, since: str) -> None:
         raise in_global_ranks(RuntimeError(
             f"decent_comm: {AGREE_STEP}: the ranks' gossip schedules stand at different steps ({seen}), so each would "
             "mix its neighbours' parameters of other steps. Every rank must resume from its own checkpoint of the same "
-            "step (a save that did not finish on every rank, or a wrong path, leaves them apart; so does a refused "
-            "load that one rank caught and went on from). Nothing was stepped; load matching checkpoints on every "
-            "rank (or build every optimizer afresh) and step again"), all_reduce.group) from e
+            "step (a save that did not finish on every rank, or a wrong path, leaves them apart; so do a refused "
+            "load that one rank caught and went on from, and DCP's get_state_dict with full_state_dict=True and "
+            "cpu_offload=True, which keeps rank 0's state only). Nothing was stepped; load matching checkpoints on "
+            "every rank (or build every optimizer afresh) and step again"), all_reduce.group) from e
