@@ -21,11 +21,12 @@ The model's inputs are measured in the same job, the way the runtime model defin
 Measured: mean step time = training wall time / steps after a warm-up interval, slowest rank included
 (bench/cluster.py: mean_step_s).
 
-Predictions: `predict` (closed form) and `simulate` / `simulate_allreduce` (discrete-event simulator). For
-all-reduce the model assumes a hierarchical ring (intra-node reduce-scatter, inter-node rings, all-gather),
-as NCCL does; gloo's DDP runs one flat ring over all ranks, whose node links carry 2 (n-1)/n B instead of
-2 (N-1)/N B. The column "flat ring" feeds the same model the flat ring's cost (a cluster of n single-rank
-nodes for the all-reduce term); the headline errors use the model as it is.
+Predictions: `predict` (closed form) and `simulate` / `simulate_allreduce` (discrete-event simulator). By
+default (`ClusterConfig.backend = "nccl"`, what `plan` prints without --backend) the model prices an all-reduce
+as a hierarchical ring (intra-node reduce-scatter, inter-node rings, all-gather), as NCCL does; gloo's DDP and
+group all-reduces run one flat ring over all ranks, whose node links carry 2 (n-1)/n B instead of 2 (N-1)/N B.
+The column "gloo" is the closed form with `backend="gloo"` (`runtime_model.allreduce.ring_allreduce`, what
+`plan --backend gloo` prints) for every run; the headline errors use the default.
 
 Writes docs/runtime_model_validation.md (table + summary), docs/runtime_model_validation.png (predicted vs
 measured) and bench/results/validate_model[_quick].json. Targets: median |error| <= 15%, worst <= 30%.
@@ -94,19 +95,15 @@ def cluster_model(job: dict, phase: dict) -> rm.ClusterConfig:
 
 
 def predictions(cl: rm.ClusterConfig, wl: rm.Workload, name: str, sim_steps: int) -> dict:
-    if name == "allreduce":
-        closed = rm.predict(cl, wl, "allreduce").step_seconds
-        sim = rm.simulate_allreduce(cl, wl, steps=sim_steps, warmup=sim_steps // 10).step_seconds
-        # gloo's flat ring: the same model with every rank its own node for the all-reduce term.
-        flat_cl = rm.ClusterConfig(nodes=cl.world_size, ranks_per_node=1,
-                                   inter_bandwidth=cl.inter_bandwidth, intra_bandwidth=cl.intra_bandwidth,
-                                   inter_latency=cl.inter_latency, intra_latency=cl.intra_latency)
-        flat = rm.predict(flat_cl, wl, "allreduce").step_seconds
-        return {"closed_form_s": closed, "simulator_s": sim, "flat_ring_s": flat}
-    topo = dc_topology.make(name, cl.world_size, cl.ranks_per_node)
+    topo = "allreduce" if name == "allreduce" else dc_topology.make(name, cl.world_size, cl.ranks_per_node)
     closed = rm.predict(cl, wl, topo).step_seconds
+    # gloo's flat ring, which these runs use: the model's own backend (DDP and any group all-reduce step)
+    flat = rm.predict(cl.with_(backend="gloo"), wl, topo).step_seconds
+    if name == "allreduce":
+        sim = rm.simulate_allreduce(cl, wl, steps=sim_steps, warmup=sim_steps // 10).step_seconds
+        return {"closed_form_s": closed, "simulator_s": sim, "flat_ring_s": flat}
     sim = rm.simulate(cl, wl, topo, steps=sim_steps, warmup=sim_steps // 10).step_seconds
-    return {"closed_form_s": closed, "simulator_s": sim, "flat_ring_s": closed}
+    return {"closed_form_s": closed, "simulator_s": sim, "flat_ring_s": flat}
 
 
 def evaluate(jobs: list, sim_steps: int) -> list:
@@ -161,12 +158,11 @@ def markdown(rows: list, meta: dict, emulated: bool) -> str:
              "latency. Errors are (predicted - measured) / measured.", "",
              f"- closed form (`predict`): {verdict(s_cf)}",
              f"- simulator (`simulate`): {verdict(s_sim)}",
-             f"- closed form with gloo's flat-ring all-reduce: {verdict(s_flat)}", "",
-             "| layout | link | measured link | straggler std | run | compute C | measured step | closed form | err | simulator | err | flat ring (DDP) | err |",
+             f"- closed form with backend gloo (its flat-ring all-reduces): {verdict(s_flat)}", "",
+             "| layout | link | measured link | straggler std | run | compute C | measured step | closed form | err | simulator | err | gloo | err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        flat = (f"{1e3 * r['flat_ring_s']:.0f} ms | {100 * r['error_flat']:+.0f}%" if r["topology"] == "allreduce"
-                else "| ")
+        flat = f"{1e3 * r['flat_ring_s']:.0f} ms | {100 * r['error_flat']:+.0f}%"
         lines.append(
             f"| {r['layout']} | {format_bits(parse_bandwidth_bits(r['bandwidth']))} | "
             f"{8 * r['inter_bandwidth_Bps'] / 1e6:.0f} Mbit/s | {r['straggler_std']:.2f} | {r['topology']} | "

@@ -13,7 +13,7 @@ import math
 
 from .. import topology as _topology
 from ..runtime_model import units
-from ..runtime_model.hardware import INTRA_SHARING, MAX_WORLD_SIZE, ClusterConfig
+from ..runtime_model.hardware import BACKENDS, INTRA_SHARING, MAX_WORLD_SIZE, ClusterConfig
 from ..runtime_model.planner import GAP_THRESHOLD, default_topologies, plan
 from ..runtime_model.workload import DDP_BUCKET_BYTES, EXCHANGES, MODES, WIRE_DTYPES, ComputeTime, Workload
 
@@ -36,7 +36,9 @@ sigma^2 (compute variance / mean^2), and recommend one.
 Units: bandwidth 25Gbit, 100Gbps, 600Gbit/s (bits) or 12.5GB/s, 12.5GBps
 (bytes); counts 65M, 1.3B; durations 120ms, 0.12s, 5us.  Inter-node
 bandwidth is per node (the node's ranks share its NIC); intra-node bandwidth
-is per rank (--intra-sharing pair: per rank pair).
+is per rank (--intra-sharing pair: per rank pair).  --backend says how
+all-reduces cross nodes: nccl (default, GPU clusters) or gloo (CPU clusters:
+one flat ring over all ranks, 1.5x NCCL's bytes per NIC on 2 nodes x 2 ranks).
 
 Recommendation: the fastest (simulated, else closed-form) step time among
 allreduce and the topologies whose spectral gap per step is >= --gap-threshold
@@ -73,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-latency", type=DURATION, help="intra-node latency (default 3us)")
     g.add_argument("--intra-sharing", choices=INTRA_SHARING, default="rank",
                    help="intra-node bandwidth belongs to each rank (default) or to each rank pair")
+    g.add_argument("--backend", choices=BACKENDS, default="nccl",
+                   help="the torch.distributed backend the all-reduces (DDP, periodic averaging, group steps) run"
+                        " on: nccl (default; GPU clusters) prices them hierarchical, a NIC carrying 2(N-1)/N"
+                        " buffers on N nodes; pick gloo for CPU clusters: one flat ring over all ranks, 2(n-1)/n"
+                        " buffers per NIC on n ranks")
     g = p.add_argument_group("workload")
     g.add_argument("--params", type=COUNT, help="parameters per replica, e.g. 65M, 1.3B")
     g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
@@ -197,7 +204,7 @@ def build_inputs(args, parser):
                                                                                  _DEFAULTS["inter_latency"]),
         intra_latency=args.intra_latency if args.intra_latency is not None else (lat if lat is not None else
                                                                                  _DEFAULTS["intra_latency"]),
-        intra_sharing=args.intra_sharing)
+        intra_sharing=args.intra_sharing, backend=args.backend)
     fractions = dict(forward_fraction=args.forward_fraction, backward_fraction=args.backward_fraction)
     if args.compute is not None:
         compute = ComputeTime(mean=args.compute, std=args.compute_std, **fractions)

@@ -34,7 +34,8 @@ def _header(cluster, workload, wire_dtype, allreduce_workload=None) -> list:
         f" (sigma^2 = {c.cv2:.4f}); mode {workload.mode}, exchange {workload.exchange}"
         + ("" if workload.param_bytes == 4 else f"; parameters of {workload.param_bytes:g} B"),
         f"all-reduce: {format_seconds(ar.comm_seconds)} communication"
-        f" ({'hierarchical' if ar.hierarchical else 'flat'} ring, {ar.buckets} buckets),"
+        f" ({'hierarchical' if ar.hierarchical else 'flat'} ring{', gloo' if ar.backend == 'gloo' else ''},"
+        f" {ar.buckets} buckets),"
         f" {format_seconds(ar.exposed_seconds)} not hidden by the backward;"
         f" gamma = {_num(ar.comm_seconds / c.mean if c.mean > 0 else None, '{:.3f}')}",
     ]
@@ -109,7 +110,8 @@ def to_dict(plan, cluster, workload, wire_dtype: str, notes=()) -> dict:
         "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node, "world_size": cluster.world_size,
         "inter_bandwidth_bytes_per_s": cluster.inter_bandwidth, "intra_bandwidth_bytes_per_s": cluster.intra_bandwidth,
         "inter_latency_s": cluster.inter_latency, "intra_latency_s": cluster.intra_latency,
-        "intra_sharing": cluster.intra_sharing, "params": workload.params, "param_bytes": workload.param_bytes,
+        "intra_sharing": cluster.intra_sharing, "backend": cluster.backend, "params": workload.params,
+        "param_bytes": workload.param_bytes,
         "wire_dtype": wire_dtype,
         "bytes_per_rank": workload.bytes_per_rank, "compute_mean_s": c.mean, "compute_std_s": c.std,
         "compute_sample_size": len(c.sample) if c.sample is not None else None, "sigma2": c.cv2,

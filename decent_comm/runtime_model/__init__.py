@@ -3,7 +3,8 @@
 From a few measurable quantities (nodes x ranks per node, bytes per step,
 intra/inter-node bandwidth and latency, compute time mean and std or a
 measured sample, overlap mode) it predicts the mean step time of ring
-All-Reduce (hierarchical across nodes, bucketed overlap with the backward,
+All-Reduce (hierarchical across nodes as NCCL runs it, or one flat ring as gloo
+does: ``ClusterConfig.backend``; bucketed overlap with the backward,
 global barrier: expected max of n compute times) and of each gossip
 topology (per-node NIC sharing, overlap with compute, neighbourhood-level
 straggler effect), plus the ratios of Wang et al., "From Promise to
@@ -32,10 +33,10 @@ closed-form-vs-simulator agreement.
 
 Pure Python + numpy (no torch); the compiled extension is not needed.
 """
-from .allreduce import AllReduceCost, allreduce_cost
+from .allreduce import AllReduceCost, RingTerms, allreduce_cost, ring_allreduce
 from .closed_form import Prediction, predict, predict_allreduce, predict_gossip
 from .gossip import StepComm, schedule_comm, straggler_penalty
-from .hardware import ClusterConfig
+from .hardware import BACKENDS, ClusterConfig
 from .planner import DEFAULT_TOPOLOGIES, Candidate, Plan, default_topologies, plan
 from .simulator import SimResult, simulate, simulate_allreduce
 from .stragglers import effective_sync_set, expected_max_normal, expected_max_sample
@@ -43,11 +44,11 @@ from .units import UnitError, parse_bandwidth, parse_count, parse_duration, pars
 from .workload import WIRE_DTYPES, ComputeTime, Workload
 
 __all__ = [
-    "ClusterConfig", "ComputeTime", "Workload", "WIRE_DTYPES",
+    "ClusterConfig", "BACKENDS", "ComputeTime", "Workload", "WIRE_DTYPES",
     "predict", "predict_allreduce", "predict_gossip", "Prediction",
     "simulate", "simulate_allreduce", "SimResult",
     "plan", "Plan", "Candidate", "DEFAULT_TOPOLOGIES", "default_topologies",
-    "allreduce_cost", "AllReduceCost", "schedule_comm", "StepComm", "straggler_penalty",
+    "allreduce_cost", "AllReduceCost", "ring_allreduce", "RingTerms", "schedule_comm", "StepComm", "straggler_penalty",
     "expected_max_normal", "expected_max_sample", "effective_sync_set",
     "UnitError", "parse_bandwidth", "parse_count", "parse_duration", "parse_size",
 ]

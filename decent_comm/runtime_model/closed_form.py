@@ -123,7 +123,8 @@ def _allreduce(cluster, workload):
 
 
 def predict_allreduce(cluster, workload) -> Prediction:
-    """``Prediction`` for ring (hierarchical) All-Reduce with bucketed backward overlap."""
+    """``Prediction`` for ring All-Reduce (hierarchical for NCCL, flat for gloo: ``cluster.backend``) with bucketed
+    backward overlap."""
     comp = workload.compute
     step, ar = _allreduce(cluster, workload)
     gamma = ar.comm_seconds / comp.mean if comp.mean > 0 else float("inf") if ar.comm_seconds else 0.0
@@ -133,9 +134,7 @@ def predict_allreduce(cluster, workload) -> Prediction:
         straggler_seconds=comp.expected_max(cluster.world_size) - comp.mean,
         sync_set=float(cluster.world_size), gamma=gamma, omega=1.0 if ar.comm_seconds > 0 else None,
         sigma2=comp.cv2, world_size=cluster.world_size, period=1, lower_bound_seconds=step,
-        max_degree=min(2, cluster.world_size - 1),
-        max_node_inter_bytes=(2.0 * (cluster.nodes - 1) / cluster.nodes * workload.bytes_per_rank
-                              if cluster.nodes > 1 else 0.0))
+        max_degree=min(2, cluster.world_size - 1), max_node_inter_bytes=ar.node_inter_bytes)
 
 
 def predict_gossip(cluster, workload, topology, allreduce_workload=None) -> Prediction:

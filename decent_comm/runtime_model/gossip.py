@@ -17,18 +17,21 @@ per-node sums are what ``comm_cost`` does not give.
 
 **Group all-reduce exchange** (``Workload.exchange = "group-allreduce"``,
 how the seed library Decent-DP runs a step whose ``W`` is uniform averaging
-over groups): each group ``g`` spanning ``N_g`` nodes with ``L_g`` of its
-ranks per node runs one hierarchical all-reduce (``allreduce.py``)::
+over groups): each group ``g`` of ``s_g`` ranks spanning ``N_g`` nodes with
+``L_g`` of its ranks per node runs one all-reduce as ``cluster.backend`` does
+(``allreduce.ring_allreduce``); NCCL's is hierarchical::
 
     c_g = 2 (L_g-1)/L_g * B / bw_a + k 2 (L_g-1) a_a
         + [N_g > 1] (2 (N_g-1)/N_g * B * q_g / bw_e + k 2 (N_g-1) a_e)
 
-with ``q_g`` the number of multi-node groups sharing the busiest NIC of
-``g`` and ``k`` the workload's buckets (one all-reduce per bucket, its
-latency paid per bucket, as ``allreduce.py`` charges ring all-reduce: a
-group of all ranks costs what all-reduce does); every member waits for it:
-``D_i(t) = c_g``.  Other steps stay
-point-to-point.
+and gloo's one flat ring, whose edge out of each spanned node carries
+``2 (s_g-1)/s_g * B`` (``c_g = 2 (s_g-1)/s_g * B / min(bw_e / q_g, bw_a) +
+k 2 (s_g-1) max(a_e, a_a)`` when ``N_g > 1``), with ``q_g`` the number of
+multi-node groups sharing the busiest NIC of ``g`` and ``k`` the workload's
+buckets (one all-reduce per bucket, its latency paid per bucket, as
+``allreduce.py`` charges ring all-reduce: a group of all ranks costs what
+all-reduce does); every member waits for it: ``D_i(t) = c_g``.  Other steps
+stay point-to-point.
 
 **Step time.**  Rank ``i`` needs ``(1 - f) mu + max(f mu, D_i(t))`` at step
 ``t`` when its neighbours are in phase with it; the schedule runs at the
@@ -77,6 +80,7 @@ import math
 
 import numpy as np
 
+from .allreduce import ring_allreduce
 from .loads import schedule_of
 from .stragglers import expected_max_normal
 from .workload import AUTO_MIN_GROUP
@@ -152,12 +156,8 @@ def group_costs(cluster, B: float, members, sizes, buckets: int = 1) -> GroupCos
     np.maximum.at(q, kg, share[ku])
     bw = np.full(G, np.inf)
     np.minimum.at(bw, kg, node_bw[ku])
-    port = 2.0 * (Lg - 1) / Lg * B / cluster.intra_bandwidth
-    cost = port + buckets * 2.0 * (Lg - 1) * cluster.intra_latency
-    with np.errstate(invalid="ignore", divide="ignore"):
-        nic = np.where(multi, 2.0 * (Ng - 1) / Ng * B * q / bw, 0.0)
-    cost = np.where(multi, cost + (nic + buckets * 2.0 * (Ng - 1) * cluster.inter_latency), cost)
-    return GroupCosts(members, sizes, np.cumsum(sizes) - sizes, cost, nic, port, multi, bw, kg, ku)
+    r = ring_allreduce(cluster, B, sizes, Ng, Lg, bw, nic_share=q, buckets=buckets)
+    return GroupCosts(members, sizes, np.cumsum(sizes) - sizes, r.seconds, r.nic, r.port, multi, bw, kg, ku)
 
 
 def throughput_bound(mu: float, steps: list) -> float:

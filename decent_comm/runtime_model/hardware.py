@@ -21,6 +21,16 @@
     (a full mesh of dedicated links); concurrent transfers to different
     peers do not interfere.
 
+* ``backend``: the collective library every all-reduce runs on (the All-Reduce
+  baseline, group all-reduce gossip steps, periodic averaging), which decides
+  how its bytes cross the nodes (``allreduce.ring_allreduce``):
+
+  - ``"nccl"`` (default; GPU clusters): hierarchical, a node's NIC carries
+    ``2 (N-1)/N`` buffers per all-reduce over ``N`` nodes.
+  - ``"gloo"`` (CPU clusters): one flat ring over all the group's ranks,
+    a node's NIC carries ``2 (n-1)/n`` buffers (``n`` ranks): 1.5 instead of 1
+    on 2 nodes x 2 ranks, as measured on the emulated cluster.
+
 A transfer of ``b`` bytes over a link costs ``latency + b / bandwidth``
 (the alpha-beta model); concurrent transfers overlap their latencies.
 """
@@ -31,6 +41,8 @@ import dataclasses
 from .._args import integer, real
 
 INTRA_SHARING = ("rank", "pair")
+#: How an all-reduce is priced: "nccl" hierarchical, "gloo" one flat ring (module docstring).
+BACKENDS = ("nccl", "gloo")
 #: The most ranks the model takes (2^18): its tables are numpy arrays of ranks x peers per step; planning
 #: 262,144 ranks with the default candidates took 20 s of CPU and 2.2 GB here (100,000 ranks: 14 s, 1.2 GB).
 MAX_WORLD_SIZE = 1 << 18
@@ -48,6 +60,7 @@ class ClusterConfig:
     intra_latency: float = 3e-6
     intra_sharing: str = "rank"
     node_inter_bandwidths: tuple | None = None
+    backend: str = "nccl"
 
     def __post_init__(self):
         for name in ("nodes", "ranks_per_node"):
@@ -65,6 +78,8 @@ class ClusterConfig:
             object.__setattr__(self, name, real(v, f"{name} (seconds)", low=0))
         if self.intra_sharing not in INTRA_SHARING:
             raise ValueError(f"intra_sharing must be one of {INTRA_SHARING}, got {self.intra_sharing!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} (how all-reduces are priced), got {self.backend!r}")
         if self.node_inter_bandwidths is not None:
             bws = tuple(float(b) for b in self.node_inter_bandwidths)
             if len(bws) != self.nodes or min(bws) <= 0:
