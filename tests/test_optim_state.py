@@ -186,8 +186,14 @@ def test_debug_log_says_how_each_rank_gossips(topology, comm_dtype, path, wire):
         assert f"; {n} parameter element(s) in 1 bucket(s)" in line, line
 
 
-def test_repr_shows_where_the_schedule_stands():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["DAdamW", "Decentralized(AdamW)"])
+def test_repr_shows_where_the_schedule_stands(wrapped):
+    """Decentralized's own __repr__ (the inner optimizer's, which shows the shared param group 0) showed the entry of
+    construction, 'step': 0, after any number of steps."""
     model = make_model(0)
-    opt = decent_comm.DAdamW(model.parameters(), lr=1e-3)
-    train_steps(0, model, opt, 3)
+    opt = decent_comm.Decentralized(torch.optim.AdamW(model.parameters(), lr=1e-3)) if wrapped else \
+        decent_comm.DAdamW(model.parameters(), lr=1e-3)
+    train_steps(0, model, opt, 2)
+    assert "'step': 2" in repr(opt) and "'step': 0" not in repr(opt), repr(opt)
+    train_steps(0, model, opt, 1, start=2)
     assert "'step': 3" in repr(opt), repr(opt)

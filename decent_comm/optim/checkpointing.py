@@ -106,9 +106,14 @@ class StateDictMixin:
         return sd
 
     def __repr__(self):
-        if hasattr(self, "_schedule"):  # where the schedule stands now, not at the last state_dict()
-            self._show_schedule()
+        self._refresh_shown_schedule()
         return super().__repr__()
+
+    def _refresh_shown_schedule(self) -> None:
+        """For repr(): where the schedule stands now, not at the last state_dict() (a subclass's own __repr__, which
+        shows param group 0, calls this too)."""
+        if hasattr(self, "_schedule"):  # (not during construction)
+            self._show_schedule()
 
     def _show_schedule(self) -> dict:
         """Puts where the schedule stands into the live param group 0 too: torch.distributed.checkpoint's flattened

@@ -68,6 +68,9 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     state = property(lambda self: self.inner.state, lambda self, state: setattr(self.inner, "state", state))
 
     def __repr__(self):
+        # the inner optimizer's repr shows the shared param group 0, with its schedule entry: refreshed first (it
+        # showed the entry of the last state_dict(), 'step': 0 after two steps)
+        self._refresh_shown_schedule()
         return f"Decentralized({self.inner!r}, topology={self.topology.name!r}, mode={self.mode!r})"
 
     def _optimizer_name(self) -> str:
