@@ -157,6 +157,39 @@ def test_profiler_shows_the_gossip_ranges(mode):
     assert want <= set(names), names
 
 
+def _mix_kernel_ranges(rank, n):
+    """For each mix_adam_ kernel of 3 profiled DAdamW steps: the decent_comm ranges it ran inside, innermost first."""
+    from torch.profiler import profile
+    model = make_model(rank)
+    opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=30)
+    train_steps(rank, model, opt, 1)  # (the first step only initializes the state)
+    with profile() as prof:
+        train_steps(rank, model, opt, 3, start=1)
+    buckets = len(opt._buckets)
+    opt.shutdown()
+    chains = []
+    for e in prof.events():
+        if e.name == "decent_comm::mix_adam_":
+            chain, p = [], e.cpu_parent
+            while p is not None:
+                if p.name.startswith("decent_comm::"):
+                    chain.append(p.name)
+                p = p.cpu_parent
+            chains.append(chain)
+    return buckets, chains
+
+
+def test_profiler_counts_the_real_mix_kernels_apart_from_the_hyper_parameter_check():
+    """Each step checks its hyper-parameters by a mix_adam_ call on a one-element meta stand-in (_check_values): in a
+    trace it was a second top-level decent_comm::mix_adam_ per step, doubling the kernel count. Now it lies inside
+    decent_comm::check_values, and the kernels inside mix_update are the real ones: one per bucket and step."""
+    for buckets, chains in run_ranks(_mix_kernel_ranges, 2, timeout=120):
+        checks = [c for c in chains if c and c[0] == "decent_comm::check_values"]
+        real = [c for c in chains if c and c[0] == "decent_comm::mix_update"]
+        assert len(checks) == 3 and len(real) == 3 * buckets and len(chains) == len(checks) + len(real), chains
+        assert not any("decent_comm::mix_update" in c for c in checks), chains
+
+
 def _setup_lines(rank, n, topology, comm_dtype):
     lines = []
     handler = logging.Handler(logging.DEBUG)

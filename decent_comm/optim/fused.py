@@ -16,6 +16,7 @@ from .._args import integer, is_bool, is_real
 from .base import DecentralizedMixin
 from .startup import refusal_told
 from .step_counts import grads_present
+from .tracing import traced
 
 _DECENTRALIZED_DEFAULTS = dict(topology="one-peer-exp", mode="awc", process_group=None, bucket_cap_mb=25,
                                comm_dtype=None, consensus=1.0, model=None, broadcast_init=True, timeout=None,
@@ -110,6 +111,10 @@ class _FusedGroupOptions:
     def _check_group(self, group, where):
         """Class-specific checks of one group; `where` names the optimizer and the group for the message."""
 
+    # Its own profiler range: the stand-in's kernel call is a decent_comm::mix_adam_ / mix_sgd_ event too, and
+    # outside any range it read as a second kernel per step in a trace (kernel counts doubled); inside this range the
+    # real ones are those inside mix_update / local_update. (traced: one flag read per group when no profiler runs.)
+    @traced("check_values")
     def _check_values(self, group, where, math_dtype):
         """ValueError for a hyper-parameter value the kernels refuse (lr, eps, weight_decay, momentum < 0, betas
         outside [0, 1), a value float32 math cannot hold, ...; torch.optim takes some of them), found by the kernel

@@ -1,8 +1,9 @@
 """What a run shows of the gossip work without reading the code. torch.profiler ranges, so a trace shows the exchange
 under the forward/backward: ``decent_comm::exchange_launch``, ``::exchange_wait``, ``::mix_update`` (AWC's fused
-mix + update), ``::local_update``, ``::atc_mix``, ``::warmup_allreduce``. Free when no profiler runs
-(record_function itself costs tens of microseconds per call even then). And under logging.DEBUG, one line per rank
-saying how the optimizer gossips (log_setup)."""
+mix + update), ``::local_update``, ``::atc_mix``, ``::warmup_allreduce``, ``::check_values`` (the fused
+optimizers' per-step hyper-parameter check, whose kernel call on a meta-device stand-in is no real kernel). Free when
+no profiler runs (record_function itself costs tens of microseconds per call even then). And under logging.DEBUG, one
+line per rank saying how the optimizer gossips (log_setup)."""
 
 import functools
 import logging
