@@ -27,7 +27,7 @@ from .distributed import DistEnv
 from .flags import hyperparameters
 from .strategy import Strategy
 
-log = logging.getLogger("decent_train")
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"step_[0-9]+")
 KEYS = ("model", "optimizer", "scheduler", "data_rng", "torch_rng", "step", "train_time", "rows", "world_size")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
-log = logging.getLogger("decent_train")
+log = logging.getLogger(__name__)
 
 
 def setup_logging(rank: int):

@@ -34,7 +34,7 @@ from .runlog import RunLog
 from .strategy import Strategy, build_strategy
 from .task import Task, cross_entropy, evaluate
 
-log = logging.getLogger("decent_train")
+log = logging.getLogger(__name__)
 
 
 class Stopwatch:

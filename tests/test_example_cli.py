@@ -226,7 +226,7 @@ def test_ctrl_c_stops_both_ranks_with_one_line_and_exit_code_130(tmp_path):
     outs = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(2)]
     assert codes == [130, 130], outs
     for rank, out in enumerate(outs):
-        assert re.search(rf"\[rank {rank}\] WARNING decent_train: interrupted at step \d+ of 1000000", out)
+        assert re.search(rf"\[rank {rank}\] WARNING decent_train\.loop: interrupted at step \d+ of 1000000", out)
         assert "Traceback" not in out and "KeyboardInterrupt" not in out and "Exchanger destroyed" not in out, out
 
 

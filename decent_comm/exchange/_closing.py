@@ -41,7 +41,7 @@ if dist.is_available():
     # good, so destroy_process_group() could never destroy it: gloo's threads would live into finalization.
     import torch.distributed.nn.functional  # noqa: F401
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _open = []           # (weak reference, "") of the exchangers created so far, in creation order

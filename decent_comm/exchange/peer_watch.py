@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 from .arrival import ranks_text
 from .watched_wait import POLL_S
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 _lock = threading.Condition()  # guards the two below; notified to stop the thread
 # Held strongly until closed: an exchanger collected in a cycle drains in its finalizer (exchange._closing), and the

@@ -14,7 +14,7 @@ import torch
 from ..topology import Adaptive, AdaptStats
 from .agreement import announce
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 
 class AdaptiveDriver:

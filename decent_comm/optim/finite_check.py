@@ -23,7 +23,7 @@ import torch
 from ..exchange import ranks_text
 from .plan import MixPlan
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 
 #: the largest float32, beyond which the 8-bit wire's change x - copy or its copy cannot go

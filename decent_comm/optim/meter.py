@@ -9,7 +9,7 @@ import torch
 
 from .device_scalars import sum_scalars
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 #: what last_disagreement and disagreement() raise without the meter
 OFF = ("disagreement tracking is off (track_disagreement=False; pass track_disagreement=True to the optimizer to "

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 
 # Module hook handles let go of during a cyclic garbage collection (a schedule collected, or shut down by its

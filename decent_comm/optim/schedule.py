@@ -41,7 +41,7 @@ from .tracing import log_setup, traced
 from .warmup import WarmupAverage
 from .wire_buffers import WireBuffers
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 MODES = ("awc", "atc")
 

@@ -8,7 +8,7 @@ local to a train() function returning the model; ``del opt``) saved the unmixed 
 only drained, and the model's state_dict pre-hook that applies the mix went with the optimizer. So the schedule's
 shutdown() runs first, mixing what arrived, then drains and closes the exchange; every rank launched the same exchange,
 so each rank's mix finds its neighbours' buffers posted. A failure (a dead peer: the wait raises within the exchange
-timeout) is logged to the "decent_comm" logger, never raised from a finalizer.
+timeout) is logged (decent_comm.exchange._closing's logger), never raised from a finalizer.
 
 The finalizer holds the schedule, never the optimizer, so the optimizer is still collected when its last reference
 goes (or in a cyclic collection); and its reference keeps the schedule, and the exchangers the schedule holds, out of

@@ -11,7 +11,7 @@ import logging
 import torch
 from torch.autograd.profiler import record_function
 
-log = logging.getLogger("decent_comm")
+log = logging.getLogger(__name__)
 
 
 def traced(name: str):

@@ -62,7 +62,7 @@ from .jobs import TorchrunJobs
 from .net import (DEFAULT_PORT, NODE_IF, PREFIX, SUBNET, cleanup_stale, delete_namespace, format_bits, free_port,
                   netns_unavailable_reason, parse_bandwidth_bits, run_cmd)
 
-log = logging.getLogger("netns_cluster")
+log = logging.getLogger(__name__)
 
 # Every live cluster, for the atexit / signal clean-up.
 _LIVE: "set[EmulatedCluster]" = set()

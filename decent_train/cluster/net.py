@@ -17,7 +17,7 @@ SUBNET = "198.18.0"
 NODE_IF = "veth0"
 DEFAULT_PORT = 29500
 
-log = logging.getLogger("netns_cluster")
+log = logging.getLogger(__name__)
 
 
 def parse_bandwidth_bits(bandwidth: Union[None, str, float, int]) -> Optional[float]:
