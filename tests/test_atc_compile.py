@@ -3,7 +3,7 @@
 eager; fullgraph=True raised Dynamo's 'Encountered torch.is_inference_mode_enabled'), the trajectory is eager's, and
 a mix deferred by eager forwards is still applied before a compiled forward reads the parameters."""
 
-import logging
+import warnings
 
 import pytest
 import torch
@@ -113,28 +113,26 @@ def test_fullgraph_compiled_training_after_eager_training_is_one_graph_and_train
     assert run_ranks(_eager_then_compiled_training, 2, timeout=300) == [(0.0, 1, [True, True, True, False])] * 2
 
 
-def _capture_log() -> list:
-    """The messages decent_comm logs from now on in this rank's process (its own, spawned for the test)."""
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("decent_comm").addHandler(handler)
-    return logged
+def _compiled_before_warnings(caught, rank) -> list:
+    """The files the caught warnings that this rank's model was compiled before its optimizer are attributed to."""
+    said = f"decent_comm: rank {rank}: ATC with model=: this model was compiled (torch.compile) before the optimizer"
+    return [w.filename for w in caught if w.category is UserWarning and str(w.message).startswith(said)]
 
 
 def _compiled_before_the_optimizer(rank, n, reset):
     """A compiled evaluation run before the ATC optimizer exists, eager training, then the compiled evaluation again:
-    (the warnings logged at construction, the largest difference of the compiled output from the eager one at the
-    mixed point)."""
-    logged = _capture_log()
+    (the files the warnings at construction are attributed to, the largest difference of the compiled output from the
+    eager one at the mixed point)."""
     model = make_model(0)
     compiled = torch.compile(model, backend="aot_eager")
     model.eval()
     with torch.no_grad():
         compiled(batch(rank, 99)[0])  # a baseline evaluation before training
     model.train()
-    opt = _build(model)
-    warned = [m for m in logged if "compiled (torch.compile) before the optimizer" in m]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = _build(model)
+    warned = _compiled_before_warnings(caught, rank)
     if reset:  # the warning's remedy
         torch._dynamo.reset()
     for t in range(3):
@@ -148,27 +146,29 @@ def _compiled_before_the_optimizer(rank, n, reset):
         opt.synchronize()
         eager = model(batch(rank, 9)[0])
     opt.shutdown()
-    return len(warned), (out - eager).abs().max().item()
+    return warned, (out - eager).abs().max().item()
 
 
 def test_a_model_compiled_before_the_optimizer_is_warned_of_and_the_remedy_works():
     """Dynamo does not guard on a module's hooks (skip_nnmodule_hook_guards): a graph compiled before the ATC hooks
     existed never runs them, and the compiled evaluation read the unmixed parameters (0.138 off), silently. Now a
-    warning names it, and its remedy (torch._dynamo.reset() after building the optimizer) reads the mixed ones."""
+    warning (warnings.warn, naming the rank, at the user's line that builds the optimizer: _build here) names it,
+    and its remedy (torch._dynamo.reset() after building the optimizer) reads the mixed ones."""
     warned, off = zip(*run_ranks(_compiled_before_the_optimizer, 2, False, timeout=300))
-    assert warned == (1, 1) and min(off) > 1e-3, off  # what the warning is about
-    assert run_ranks(_compiled_before_the_optimizer, 2, True, timeout=300) == [(1, 0.0)] * 2
+    assert warned == ([__file__], [__file__]) and min(off) > 1e-3, (warned, off)  # what the warning is about
+    assert run_ranks(_compiled_before_the_optimizer, 2, True, timeout=300) == [([__file__], 0.0)] * 2
 
 
 def _compiled_after_the_optimizer(rank, n):
-    logged = _capture_log()
-    torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")(torch.ones(1, 2))  # another graph in the process
-    model = make_model(0)
-    opt = _build(model)
-    compiled = torch.compile(model, backend="aot_eager")
-    compiled(batch(rank, 0)[0])
-    opt.shutdown()
-    return [m for m in logged if "compiled (torch.compile) before the optimizer" in m]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")(torch.ones(1, 2))  # another graph in the process
+        model = make_model(0)
+        opt = _build(model)
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(batch(rank, 0)[0])
+        opt.shutdown()
+    return _compiled_before_warnings(caught, rank)
 
 
 def test_a_model_compiled_after_the_optimizer_is_not_warned_of():

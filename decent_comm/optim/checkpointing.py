@@ -140,7 +140,8 @@ class StateDictMixin:
         # only the parameters' entries are checked: the other keys are kept as they are (split_saved_state)
         param_of = self._saved_param_of(state_dict)
         saved_state, _ = split_saved_state(state_dict.get("state", {}), param_of)
-        extra, restart_copies = check_schedule_state(extra, saved_state, has_int8_wire, len(self._param_list()))
+        extra, restart_copies = check_schedule_state(extra, saved_state, has_int8_wire, len(self._param_list()),
+                                                     self.rank if self.world_size > 1 else None)
         self._schedule.check_loadable(extra)
         self._check_state_names(saved_state)
         # The int8 wire's round in flight goes into the live copies first, on every rank: a state dict without

@@ -33,15 +33,13 @@ Two ways around the assumption, and what catches them:
 """
 
 import gc
-import logging
-
 import weakref
 from typing import Dict, List, Optional, Set
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-log = logging.getLogger(__name__)
+from .._warn import warn_user
 
 
 # Module hook handles let go of during a cyclic garbage collection (a schedule collected, or shut down by its
@@ -91,7 +89,7 @@ class MixBeforeUse:
         self._deferral_off = False
         self._global = model is None
         if model is not None:
-            _warn_if_compiled_before(model)
+            _warn_if_compiled_before(model, schedule.rank if schedule.world_size > 1 else None)
             for m in model.modules():
                 if m._parameters:
                     # first among the module's pre-hooks: one registered earlier that computes the weight (the old
@@ -217,24 +215,29 @@ class MixBeforeUse:
         """At step(), before the pending mix: a `pending` bucket with a non-zero gradient was used in the forward
         without the hooks of the modules holding it firing (a method other than forward(), a parameter read
         directly), so its gradient was taken before its mix: mixed at the end of step() from now on, and said."""
-        buckets = self._schedule().buckets
+        schedule = self._schedule()
+        buckets = schedule.buckets
         used = {i: [s for s in buckets[i].slots if s.param.grad is not None and bool(s.param.grad.any())]
                 for i in sorted(pending)}  # (a rare path: the host reads are fine)
-        late = [i for i, slots in used.items() if slots]
+        # (a bucket distrusted already is pending only in a step retried after this warning raised, -W error)
+        late = [i for i, slots in used.items() if slots and i not in self._distrusted]
         if not late:
             return
         self._distrusted.update(late)
         shapes = [tuple(s.param.shape) for i in late for s in used[i]]
-        log.warning("decent_comm: ATC: parameters of shapes %s were used in a forward without the module holding "
-                    "them running (a method other than forward(), or a parameter read directly), so this step's "
-                    "gradient was taken before their mix; their buckets are mixed at the end of step() from now on",
-                    shapes)
+        # A warning (the user can run those modules, or ignore it knowingly), once per bucket (distrusted from now
+        # on), at the user's opt.step() line: the forward that read the parameters is over, its line unknown here.
+        # Under -W error it raises before this step has changed anything but that distrust: a retry steps.
+        warn_user(f"ATC: parameters of shapes {shapes} were used in a forward without the module holding them running "
+                  "(a method other than forward(), or a parameter read directly), so this step's gradient was taken "
+                  "before their mix; their buckets are mixed at the end of step() from now on",
+                  schedule.rank if schedule.world_size > 1 else None)
 
     def remove(self):
         self._finalizer()
 
 
-def _warn_if_compiled_before(model: torch.nn.Module) -> None:
+def _warn_if_compiled_before(model: torch.nn.Module, rank: Optional[int]) -> None:
     """A graph Dynamo compiled from `model` before these hooks existed never runs them (Dynamo does not guard on a
     module's hooks: torch._dynamo.config.skip_nnmodule_hook_guards), so a compiled forward after an eager step read
     the unmixed parameters (0.138 off in a compiled evaluation), silently. Warned when Dynamo has compiled some graph
@@ -250,10 +253,11 @@ def _warn_if_compiled_before(model: torch.nn.Module) -> None:
     if not any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()) and not any(
             issubclass(type(o), OptimizedModule) and id(o._orig_mod) in ours for o in gc.get_objects()):
         return
-    log.warning("decent_comm: ATC with model=: this model was compiled (torch.compile) before the optimizer was "
-                "built; a graph compiled before its mix-before-use hooks existed does not run them, and would read "
-                "unmixed parameters. Call torch._dynamo.reset() now (its graphs compile again, with the hooks), or "
-                "build the optimizer before the model's first compiled call.")
+    # A warning at the user's line that builds the optimizer; under -W error it raises before any hook is registered.
+    warn_user("ATC with model=: this model was compiled (torch.compile) before the optimizer was built; a graph "
+              "compiled before its mix-before-use hooks existed does not run them, and would read unmixed parameters. "
+              "Call torch._dynamo.reset() now (its graphs compile again, with the hooks), or build the optimizer "
+              "before the model's first compiled call.", rank)
 
 
 @torch.compiler.assume_constant_result

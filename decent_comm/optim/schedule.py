@@ -375,8 +375,9 @@ class GossipSchedule(ScheduleCheckpoint):
                 if failed is None:
                     self.mix_pending()
                 else:
-                    log.warning("decent_comm: shutdown(): the last step's mix was not applied, as it failed earlier "
-                                "(%s): this rank's parameters are its half-step x^{t+1/2}", failed)
+                    # logged, not warnings.warn: the failure was raised already, nothing here is the user's to change
+                    log.warning("decent_comm: rank %d: shutdown(): the last step's mix was not applied, as it failed "
+                                "earlier (%s): this rank's parameters are its half-step x^{t+1/2}", self.rank, failed)
             except Exception as e:  # noqa: BLE001 - raised once the exchange is released
                 first = e
         self._shut_down = True

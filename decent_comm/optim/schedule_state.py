@@ -5,7 +5,6 @@ consensus factor, from which the resumed run rebuilds the plan and mixes the cop
 into GossipSchedule, whose attributes it reads."""
 
 import copy
-import logging
 from collections.abc import Mapping
 from typing import Callable, Optional
 
@@ -13,14 +12,13 @@ import torch
 
 from .. import ops
 from .._args import integer, real
+from .._warn import warn_user
 from .agreement import agree_on_step
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
 
 #: opt.state key of a round in flight when a checkpoint was taken (its mix, added at the next round)
 CORRECTION = "delayed_mix_correction"
-
-log = logging.getLogger(__name__)
 
 #: What loading without the "decentralized" entry does to the schedule (load_state_dict leaves it where it is)
 _WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of its topology and cadence (its warm-up "
@@ -84,19 +82,21 @@ def _wire_round_ok(saved) -> bool:
     return isinstance(saved, (list, tuple)) and len(saved) == 2 and _whole(saved[0]) is not None and _real(saved[1])
 
 
-def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire: bool, num_params: int):
+def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire: bool, num_params: int,
+                         rank: Optional[int] = None):
     """Before a state dict loads: (where, restart_copies), the schedule entry to load and whether the int8 wire's
     copies must restart. torch.distributed.checkpoint loads only the state names the destination optimizer has, and
     a new one has no delayed_mix round yet (nor, with an adaptive topology, every copy), so a checkpoint may lack
     them. A round in flight is refused (its mix would be lost). Missing copies restart from zero on every rank alike
     (each rank's copy of a peer still equals the peer's own; its first send is then the whole of x, quantized), and
     the round in flight at the checkpoint is dropped (mixing it would read the zero copies as the neighbours'
-    parameters): the resumed run is sane but not exact, which is logged. Copies of only some of the `num_params`
+    parameters): the resumed run is sane but not exact, which is warned of. Copies of only some of the `num_params`
     parameters (DCP drops the state of parameters with requires_grad=False; a wrapped torch optimizer has none for a
     parameter that never had a gradient) are loaded as they are: the others keep their values, equal on every rank
     in a new optimizer (the round in flight mixes them as no change) and on both ends of each edge in a live one
-    (complete_wire_round); also not exact, also logged. Without the entry and without copies the live copies stay
-    too: a torch.optim checkpoint, rank 0's state from a run without the int8 wire."""
+    (complete_wire_round); also not exact, also warned of. Without the entry and without copies the live copies stay
+    too: a torch.optim checkpoint, rank 0's state from a run without the int8 wire. The warnings (warnings.warn: the
+    user can save or load otherwise), naming `rank`, come before anything is loaded: under -W error they refuse it."""
     check_entry(where)
     names = {name for st in saved_state.values() for name in (st or {})}
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
@@ -106,8 +106,8 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
         # (by 0.3 on a ring), and the replicas' mean drifted at lr 0. They restart, as every rank loading so does.
         restart = has_int8_wire and bool(wire)
         if restart:
-            log.warning("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
-                        "copies may be another rank's, so every rank loading it restarts them from zero")
+            warn_user("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
+                      "copies may be another rank's, so every rank loading it restarts them from zero", rank)
         return None, restart
     if where.get("delayed_pending") and CORRECTION not in names:
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
@@ -117,16 +117,16 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
         # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
         # too (a rollback to step 0), silently.
         if int(where.get("step", 0)) > 0:
-            log.warning("the state dict has no int8 wire copies (a run without the int8 wire saved it, or "
-                        "torch.distributed.checkpoint loaded only the state names the destination optimizer has, and "
-                        "a new one has none yet): every rank restarts them from zero and drops the round in flight, "
-                        "so the resumed run is not exact; torch.save'd state dicts of an int8 wire run carry them")
+            warn_user("the state dict has no int8 wire copies (a run without the int8 wire saved it, or "
+                      "torch.distributed.checkpoint loaded only the state names the destination optimizer has, and a "
+                      "new one has none yet): every rank restarts them from zero and drops the round in flight, so the "
+                      "resumed run is not exact; torch.save'd state dicts of an int8 wire run carry them", rank)
         return dict(where, int8_wire_round=None), True
     complete = sum(1 for st in saved_state.values() if st and wire <= set(st))
     if has_int8_wire and wire and complete < num_params:
-        log.warning(f"the state dict has all the int8 wire copies of {complete} of the {num_params} parameters "
-                    "(torch.distributed.checkpoint drops the state of parameters with requires_grad=False): the others "
-                    "keep the copies they have, so the resumed run is not exact")
+        warn_user(f"the state dict has all the int8 wire copies of {complete} of the {num_params} parameters "
+                  "(torch.distributed.checkpoint drops the state of parameters with requires_grad=False): the others "
+                  "keep the copies they have, so the resumed run is not exact", rank)
     return where, False
 
 

@@ -1,0 +1,29 @@
+"""Warnings the user should act on (change the code, the order of calls, how a checkpoint is saved) go through
+warnings.warn, so that ``python -W error``, ``pytest.warns``, ``warnings.catch_warnings`` and filterwarnings see
+them, as the logging HOWTO advises; what needs no action (an event worth noting) is logged, to each module's
+logging.getLogger(__name__)."""
+
+import os
+import sys
+import warnings
+from typing import Optional
+
+import torch
+
+# The library's frames: decent_comm's own, and torch's between the user's call and ours (the optimizer's step
+# wrapper, torch.distributed.checkpoint's set_state_dict, a module's __call__ running a forward pre-hook).
+_LIBRARY = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+
+
+def warn_user(message: str, rank: Optional[int] = None) -> None:
+    """warnings.warn(UserWarning), "decent_comm: rank R: " (the rank where a process group runs) before `message`.
+
+    Attributed (its stacklevel) to the innermost frame outside decent_comm and torch: the user's line that made the
+    call (``opt.step()``, ``opt.load_state_dict(...)``, the optimizer's construction), whatever the depth of the
+    library's frames between, which differs by path (torch's step wrapper and step hooks, DCP's set_state_dict).
+    With none outside them (a call from a finalizer or a thread of the library) it is the caller's line here."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn_user's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY):
+        frame, level = frame.f_back, level + 1
+    who = "decent_comm: " if rank is None else f"decent_comm: rank {rank}: "
+    warnings.warn(who + message, UserWarning, stacklevel=level if frame is not None else 2)
