@@ -25,5 +25,9 @@ def warn_user(message: str, rank: Optional[int] = None) -> None:
     frame, level = sys._getframe(1), 2  # stacklevel 2: warn_user's caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY):
         frame, level = frame.f_back, level + 1
-    who = "decent_comm: " if rank is None else f"decent_comm: rank {rank}: "
-    warnings.warn(who + message, UserWarning, stacklevel=level if frame is not None else 2)
+    warnings.warn(who(rank) + message, UserWarning, stacklevel=level if frame is not None else 2)
+
+
+def who(rank: Optional[int] = None) -> str:
+    """The prefix of a warning or log line: "decent_comm: rank R: " where a process group runs, else "decent_comm: "."""
+    return "decent_comm: " if rank is None else f"decent_comm: rank {rank}: "

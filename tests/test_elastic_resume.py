@@ -11,9 +11,9 @@ starts at step 0 (its warm-up runs again), and the continued run is tests/optim_
 of the new world size started from the loaded point.
 """
 
+import logging
 import math
 import os
-import warnings
 
 import pytest
 import torch
@@ -117,13 +117,15 @@ def _resume_dcp(rank, m, case, root, flat):
 
 
 def _resume(rank, m, case, form, root):
-    with warnings.catch_warnings(record=True) as caught:  # the int8 copies' restart is warned of, at the load
-        warnings.simplefilter("always")
-        if form == "torch.save":
-            opt, model, sched = _resume_torch_save(rank, m, case, root)
-        else:
-            opt, model, sched = _resume_dcp(rank, m, case, root, flat=form == "dcp flattened")
-    restarted = any(f"rank {rank}: " in str(w.message) and "restarts them from zero" in str(w.message) for w in caught)
+    logged = []  # the int8 copies' restart is logged (the package logger sees its modules' records), naming the rank
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    if form == "torch.save":
+        opt, model, sched = _resume_torch_save(rank, m, case, root)
+    else:
+        opt, model, sched = _resume_dcp(rank, m, case, root, flat=form == "dcp flattened")
+    restarted = any(f"rank {rank}: " in r and "restarts them from zero" in r for r in logged)
     n, _, options, kind, hp = CASES[case]
     X0 = gather_flat(model, m)
     entry = opt.state_dict()["param_groups"][0]["decentralized"]

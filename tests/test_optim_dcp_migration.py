@@ -90,8 +90,8 @@ def test_a_fresh_dsgd_checkpoint_keeps_its_buffers_unstarted(tmp_path):
 def _rank0_checkpoint_on_every_rank(rank, n, root, saved_wire):
     """Every rank resumes from rank 0's DCP checkpoint with the int8 wire: rank 0's checkpoint has no copies under
     this rank's names (or none at all: `saved_wire` None), so it loads with allow_partial_load, and the schedule
-    entry, another rank's, is dropped (what the refusal advises); the copies restart, with a warning."""
-    import warnings
+    entry, another rank's, is dropped (what the refusal advises); the copies restart, logged."""
+    import logging
     import torch.distributed as dist
     from optim_cases import flat_params, make_model, train_steps
     build = lambda model, wire: decent_comm.DAdamW(model.parameters(), lr=0.01, topology="ring",  # noqa: E731
@@ -110,9 +110,11 @@ def _rank0_checkpoint_on_every_rank(rank, n, root, saved_wire):
              planner=DefaultLoadPlanner(allow_partial_load=True))
     for g in osd["param_groups"]:
         g.pop("decentralized", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("decent_comm").addHandler(handler)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     for g in opt.param_groups:
         g["lr"] = 0.0  # from here on only the gossip moves the parameters: their mean over the ranks stays
     start = flat_params(model).double()  # rank 0's parameters on every rank: the replicas' mean
@@ -121,9 +123,8 @@ def _rank0_checkpoint_on_every_rank(rank, n, root, saved_wire):
     y = flat_params(model).double()
     dist.all_reduce(y)
     opt.shutdown()
-    # (the restart's warning, at the user's set_state_dict line, through DCP's frames)
-    return (y / n - start).abs().max().item(), [(f"rank {rank}: " in str(w.message), w.filename) for w in caught
-                                                if "restarts them from zero" in str(w.message)]
+    return (y / n - start).abs().max().item(), any(f"rank {rank}: " in m and "restarts them from zero" in m
+                                                   for m in logged)
 
 
 @pytest.mark.parametrize("saved_wire", [torch.int8, None])
@@ -134,7 +135,7 @@ def test_another_ranks_dcp_checkpoint_resumes_the_int8_wire(saved_wire, tmp_path
     from dist_utils import run_ranks
     for drift, restarted in run_ranks(_rank0_checkpoint_on_every_rank, 3, str(tmp_path), saved_wire, timeout=180):
         assert drift < 1e-6, drift
-        assert restarted == [(True, __file__)], restarted
+        assert restarted
 
 
 @pytest.mark.parametrize("edit", ["in place", "assigned"])

@@ -5,6 +5,7 @@ consensus factor, from which the resumed run rebuilds the plan and mixes the cop
 into GossipSchedule, whose attributes it reads."""
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Callable, Optional
 
@@ -12,13 +13,15 @@ import torch
 
 from .. import ops
 from .._args import integer, real
-from .._warn import warn_user
+from .._warn import warn_user, who
 from .agreement import agree_on_step
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .plan import mix_plan
 
 #: opt.state key of a round in flight when a checkpoint was taken (its mix, added at the next round)
 CORRECTION = "delayed_mix_correction"
+
+log = logging.getLogger(__name__)
 
 #: What loading without the "decentralized" entry does to the schedule (load_state_dict leaves it where it is)
 _WITHOUT_ENTRY = (": a new optimizer's gossip schedule then starts at step 0 of its topology and cadence (its warm-up "
@@ -96,7 +99,8 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
     in a new optimizer (the round in flight mixes them as no change) and on both ends of each edge in a live one
     (complete_wire_round); also not exact, also warned of. Without the entry and without copies the live copies stay
     too: a torch.optim checkpoint, rank 0's state from a run without the int8 wire. The warnings (warnings.warn: the
-    user can save or load otherwise), naming `rank`, come before anything is loaded: under -W error they refuse it."""
+    user can save or load otherwise), naming `rank`, come before anything is loaded: under -W error they refuse it.
+    The restart without the entry is logged instead: the documented resume from rank 0's state asks for it."""
     check_entry(where)
     names = {name for st in saved_state.values() for name in (st or {})}
     wire = {n for n in names if n.startswith(WIRE_PREFIX)}
@@ -105,9 +109,9 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
         # cannot be told to be this rank's: another rank's, under its names, made the two ends of an edge differ
         # (by 0.3 on a ring), and the replicas' mean drifted at lr 0. They restart, as every rank loading so does.
         restart = has_int8_wire and bool(wire)
-        if restart:
-            warn_user("the state dict has no 'decentralized' entry (where the gossip schedule stands): its int8 wire "
-                      "copies may be another rank's, so every rank loading it restarts them from zero", rank)
+        if restart:  # logged, not warned: the documented resume from rank 0's state does this on purpose
+            log.warning(who(rank) + "the state dict has no 'decentralized' entry (where the gossip schedule stands): "
+                        "its int8 wire copies may be another rank's, so every rank loading it restarts them from zero")
         return None, restart
     if where.get("delayed_pending") and CORRECTION not in names:
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
