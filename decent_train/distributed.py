@@ -38,12 +38,14 @@ class DistEnv:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
+def init_distributed(device: str = "auto", timeout: Optional[float] = None) -> DistEnv:
     """Joins the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ... in the environment; --standalone or a
     multi-node c10d rendezvous). gloo on CPU, nccl on GPU, on keys of this torchrun restart attempt
     (init_process_group_per_attempt), so that `--max-restarts` can bring a one-node job back; across nodes restarts
-    are not supported (docs/restarts.md: the agents' restart counts may differ), which it warns about. A group that
-    already exists (tests) is reused; without torchrun the example runs as a single process."""
+    are not supported (docs/restarts.md: the agents' restart counts may differ), which it warns about. `timeout`
+    (seconds, --timeout): the group's timeout once the ranks have joined (set_group_timeout); joining keeps the
+    backend's default. A group that already exists (tests) is reused, its timeout left as its creator set it;
+    without torchrun the example runs as a single process."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     env = DistEnv(local_rank=local_rank, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -53,11 +55,23 @@ def init_distributed(device: str = "auto") -> DistEnv:
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         init_process_group_per_attempt("nccl" if use_cuda else "gloo", device_id=env.device if use_cuda else None)
         env.owns_group = True
+        if timeout is not None:
+            set_group_timeout(datetime.timedelta(seconds=timeout))
     if dist.is_initialized():
         env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
         if "LOCAL_WORLD_SIZE" not in os.environ:
             env.local_world_size = env.world_size
     return env
+
+
+def set_group_timeout(timeout: datetime.timedelta):
+    """The default group's timeout from now on: how long its collectives (DDP's all-reduce, evaluation's and the
+    checkpoints' all-reduces and barriers) wait for a rank before raising. Set after the join, not passed to
+    init_process_group: under torchrun gloo's connectFullMesh waits for the other ranks with the group's timeout,
+    and the workers of the nodes start seconds apart (importing torch), which a timeout chosen for a step (seconds)
+    would turn into a failed start."""
+    # dist.set_timeout is torch 2.14's public name; 2.11 (the oldest torch supported) has only the private one
+    (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(timeout)
 
 
 def restart_attempt() -> int:

@@ -243,6 +243,15 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK with nccl when CUDA is available, else cpu with gloo")
+    g.add_argument("--timeout", type=number(0.0, strictly=True, most=1e8), default=None, metavar="SECONDS",
+                   help="how long a rank waits for another once the job has started before it raises: the "
+                        "decentralized optimizers' timeout= (an exchange, warm-up all-reduce or global_average() "
+                        "raises ExchangeTimeout naming the peer; also how far apart the ranks may reach the "
+                        "optimizer's construction) and the process group's (DDP's all-reduce, evaluation, the "
+                        "barrier after each checkpoint write: gloo's timeout error, naming no rank). Keep it above "
+                        "the longest the ranks may drift apart, a slow checkpoint write included. The ranks' join "
+                        "(init_process_group) keeps torch's default (default: the process group's, gloo 30 min, "
+                        "nccl 10 min)")
     g.add_argument("--threads", type=count(1), default=1, help="torch intra-op threads per rank (1: ranks share the cores)")
     g.add_argument("--profile", default=None, metavar="DIR",
                    help=f"write a torch.profiler trace to DIR/trace_rank<r>.json of steps {PROFILED[0]}-{PROFILED[1]} "

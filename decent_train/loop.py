@@ -241,7 +241,7 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
         raise SetupError(" ".join(str(e).split()), int(os.environ.get("RANK", 0)), same_on_every_rank=True) from e
     setup_logging(int(os.environ.get("RANK", 0)))  # init_distributed may warn (restarts across nodes)
     try:
-        env = init_distributed(args.device)
+        env = init_distributed(args.device, getattr(args, "timeout", None))
     except RendezvousTimeout as e:  # one line, exit 2, naming the attempt, instead of torch's key and traceback
         raise SetupError(str(e), int(os.environ.get("RANK", 0))) from e
     setup_logging(env.rank)

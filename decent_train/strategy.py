@@ -113,7 +113,8 @@ def build_strategy(args, model: torch.nn.Module, env: DistEnv) -> Strategy:
     consensus = _consensus(args)
     options = dict(topology=topology, mode=args.mode, consensus=consensus, model=model,
                    comm_dtype=_wire_dtype(args), gossip_every=args.gossip_every,
-                   warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix)
+                   warmup_steps=args.warmup_steps, delayed_mix=args.delayed_mix,
+                   timeout=getattr(args, "timeout", None))  # None: the process group's (init_distributed sets it)
     if name in FUSED:
         cls = getattr(decent_comm, FUSED[name][0])
         kw = {**{k: getattr(args, k) for k in hyperparameters(name)}, **options}

@@ -9,8 +9,15 @@ machine, so nothing is downloaded; see decent_train/data.py. Each rank samples i
     torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer allreduce        # DDP + AdamW
     torchrun --standalone --nproc_per_node 4 examples/train_lm.py --optimizer accumadamw --topology aer \\
         --local-world-size 2                                  # aer as if on 2 nodes x 2 ranks
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
-        examples/train_lm.py --optimizer dadamw --topology aer  # multi-node: aer reads LOCAL_WORLD_SIZE
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+        examples/train_lm.py --optimizer dadamw --topology aer --timeout 60  # multi-node: aer reads LOCAL_WORLD_SIZE
+
+Multi-node: the same command on every node (HOST: one node's address, reachable from all), with GLOO_SOCKET_IFNAME
+naming the network interface the nodes reach each other on (`ip -br addr` lists them): without it gloo takes its
+address from the hostname, which many systems map to loopback (127.0.1.1 on Debian), and every rank fails with
+"Gloo connectFullMesh failed ... Connection refused, remote=[127.0...]". On GPUs (nccl), NCCL_SOCKET_IFNAME picks
+NCCL's interface where a node has several. --timeout bounds how long a rank waits for a peer that stopped (a dead
+node or link); without it gloo waits 30 min.
 
 Validation loss is that of the global average of the replicas; logs, plot and checkpoints: see --help.
 """
