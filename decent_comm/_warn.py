@@ -21,7 +21,9 @@ def warn_user(message: str, rank: Optional[int] = None) -> None:
     Attributed (its stacklevel) to the innermost frame outside decent_comm and torch: the user's line that made the
     call (``opt.step()``, ``opt.load_state_dict(...)``, the optimizer's construction), whatever the depth of the
     library's frames between, which differs by path (torch's step wrapper and step hooks, DCP's set_state_dict).
-    With none outside them (a call from a finalizer or a thread of the library) it is the caller's line here."""
+    Called from a thread or a finalizer, the first frame outside is the standard library's (threading.py,
+    weakref.py), which the warning then names; no caller does so now. A stack of library frames only: the caller's
+    line here."""
     frame, level = sys._getframe(1), 2  # stacklevel 2: warn_user's caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY):
         frame, level = frame.f_back, level + 1
