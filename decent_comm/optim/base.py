@@ -28,6 +28,7 @@ from .device_scalars import sq_dist, sum_scalars
 from .interrupts import HeldInterrupt
 from .buckets import Bucket, build_buckets
 from .param_versions import check_unwritten, note_in_flight, written
+from .step_vars import StepVars
 from .step_counts import count_on_device, count_steps, grads_present, refine_classes, spread_count, step_segments
 from .checkpointing import StateDictMixin
 from .ddp_guard import DDPGuard
@@ -100,7 +101,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             if self.world_size > 1 and len(self._buckets) > MAX_BUCKETS:  # else the step that reached it failed
                 raise ValueError(f"{len(self._buckets)} buckets (bucket_cap_mb={bucket_cap_mb}): the exchange takes "
                                  f"at most {MAX_BUCKETS}; raise bucket_cap_mb (or use fewer param groups)")
-            self._ddp_guard, self._watching_forwards = DDPGuard(self, self._buckets, model), True
+            self._ddp_guard = DDPGuard(self, self._buckets, model)
             if self.world_size > 1:
                 config = replica_config(self._buckets, topology, self.param_groups, model,
                                         optimizer=self._optimizer_name(),
@@ -112,9 +113,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             verify_replicas(config, process_group, self.world_size, usable_timeout(timeout))
         self._groups_built = group_layout(self.param_groups)
         self._state_watch = StateWatch()
-        self._closure, self._closure_loss, self._model = None, None, model
+        self._this_step, self._model = StepVars(), model  # closure, its loss, AMP scalars (not on self: step_vars)
         self._module_watch = ModuleWatch(model, self._param_list())  # a Parameter the model replaced: refused
-        self._amp = None  # this step's GradScaler scalars for the kernels (decent_comm.optim.amp)
         if self.world_size > 1 and broadcast_init:
             with torch.no_grad():
                 broadcast_from_rank0([b.flat for b in self._buckets], process_group, timeout,
@@ -202,9 +202,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
     @torch.no_grad()
     def step(self, closure=None):
         self._schedule.check_running(f"{type(self).__name__}.step()")  # CUDA graph capture, after shutdown()
-        if self._watching_forwards:  # a wrap made before the optimizer would have shown in a forward by now
+        if self._ddp_guard.watching_forwards:  # a wrap made before the optimizer would have shown in a forward by now
             self._ddp_guard.remove()
-            self._watching_forwards = False
         check_param_groups(self.param_groups, self._groups_built)
         self._module_watch.check(f"{type(self).__name__}.step()")
         self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
@@ -215,16 +214,17 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         self._schedule.agree_position()  # the first step after construction or load_state_dict: the same on all ranks
         self._adopt_state_edits()
         check_unwritten(self._buckets)
-        loss, self._closure_loss = None, None
-        self._closure = self._inner_closure(closure) if closure is not None else None
-        if closure is not None and self._closure is None:
+        now = self._this_step
+        loss, now.closure_loss = None, None
+        now.closure = self._inner_closure(closure) if closure is not None else None
+        if closure is not None and now.closure is None:
             with torch.enable_grad():
                 loss = closure()
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
             self._gather_grads()
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
             grad_scale = self._average_gradients(found_inf, getattr(self, "grad_scale", None))
-            self._amp, skip_update = self._amp_for_step(found_inf, grad_scale)
+            now.amp, skip_update = self._amp_for_step(found_inf, grad_scale)
             if self.mode == "awc":
                 self._step_awc(skip_update)
             else:
@@ -232,9 +232,9 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             written(self._buckets)
             note_in_flight(self._buckets, self._schedule.sending_parameters())
             self._let_go()
-            self._closure = None
+            now.closure = None
             self._note_state()
-        return loss if self._closure_loss is None else self._closure_loss
+        return loss if now.closure_loss is None else now.closure_loss
 
     def _gather_grads(self):
         """The flat gradient buffers take every .grad (grads.gather_grads); a parameter whose storage must be copied
@@ -315,7 +315,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     def _step_atc(self, skip_update: bool):
         s = self._schedule
-        if self._closure is None:  # else the wrapped optimizer runs the forward below, after the mix: no bypass to
+        if self._this_step.closure is None:  # else the wrapped optimizer runs the closure after the mix: no bypass to
             s.check_deferred_used()  # find (the gradients now are the last closure's: each step warned wrongly)
         s.mix_pending()
         measure = s.wants_step_sq(s.t)  # decided below, before this step's exchange
@@ -347,7 +347,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             dis = self._schedule.meter.slot(b, k) if mixing else None
             if seg.has_grad and not skip_update:
                 # the device count (and GradScaler's scalars) replace the host step
-                counts = dict(self._amp.op_kwargs() if self._amp else {},
+                counts = dict(self._this_step.amp.op_kwargs() if self._this_step.amp else {},
                               state_step=b.step_count[seg.first:seg.first + 1]) if on_device else {}
                 self._local_update(b, sl, group, None if on_device else seg.step, nbs, self_weight, weights,
                                    disagreement=dis, **counts, **wire)

@@ -44,6 +44,10 @@ class DDPGuard:
             self._handle, self._global = model.register_forward_pre_hook(self._model_hook), False
         else:
             self._handle, self._global = register_module_forward_pre_hook(self._hook), True
+        # Whether step() still has the global hook to remove: a plain bool that a compiled step() reads (the handle
+        # itself is a RemovableHandle, which Dynamo cannot represent: a graph break at every step), and kept here, not
+        # on the optimizer, as torch 2.11's Dynamo cannot trace a setattr on a torch.optim.Optimizer (step_vars.py).
+        self.watching_forwards = self._global
         if not _registration_hook:
             _registration_hook.append(register_module_module_registration_hook(_on_module_registration))
         _guards.add(self)
@@ -72,6 +76,7 @@ class DDPGuard:
 
     def remove(self):
         """At the first step: lets go of the global hook (the model's stays)."""
+        self.watching_forwards = False
         if self._global and self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -80,6 +85,7 @@ class DDPGuard:
         """At shutdown() (or when the optimizer is collected): a DDP wrap is the user's to make from now on (a run
         that ends with DDP fine-tuning), as the optimizer no longer gossips."""
         _guards.discard(self)
+        self.watching_forwards = False
         if self._handle is not None:  # (torch's module call copies its forward pre-hooks before running them)
             self._handle.remove()
         self._handle = None

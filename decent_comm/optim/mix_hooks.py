@@ -87,6 +87,7 @@ class MixBeforeUse:
         # A compiled forward was traced, or a forward captured into a CUDA graph: nothing is deferred any more, step()
         # mixes every bucket (_stop_deferring, _captured)
         self._deferral_off = False
+        self._stop_deferring = _deferral_stopper(weakref.ref(self))
         self._global = model is None
         if model is not None:
             _warn_if_compiled_before(model, schedule.rank if schedule.world_size > 1 else None)
@@ -126,7 +127,7 @@ class MixBeforeUse:
             # the graph at every module holding parameters (10 graphs of one op, slower than eager; fullgraph=True
             # failed). So a compiled forward turns deferral off for good (_stop_deferring, run while Dynamo traces):
             # step() mixes every bucket (no overlap, exactly ATC) and this traces to nothing.
-            _stop_deferring(self)
+            self._stop_deferring()
             if self._schedule_pending():  # none left; read so that the graph guards on it (a recompile if one is)
                 _mix_every_pending(self)
             return
@@ -260,17 +261,26 @@ def _warn_if_compiled_before(model: torch.nn.Module, rank: Optional[int]) -> Non
               "before the model's first compiled call.", rank)
 
 
-@torch.compiler.assume_constant_result
-def _stop_deferring(hooks: MixBeforeUse) -> bool:
-    """Run by Dynamo while it traces a compiled forward's hooks, not by the graph (assume_constant_result: called at
-    trace time, its result a constant): no bucket is deferred to a hook from now on, and the mix eager forwards
-    deferred is applied now, before the compiled forward reads those parameters. Applied by the graph instead, it
-    was a torch.compiler.disable'd call in it after every eager step (a graph break per deferring module, and
-    fullgraph=True raised Dynamo's "Skip calling torch.compiler.disable()'d function"). Only a trace runs this:
-    a cached graph does not, hence off for good (idempotent: a retrace or a second compiled model repeats it)."""
-    hooks._deferral_off = True
-    _mix_every_pending(hooks)  # (run here as plain Python: Dynamo calls this function, it does not trace it)
-    return True
+def _deferral_stopper(hooks_ref: "weakref.ref[MixBeforeUse]"):
+    """`hooks._stop_deferring()`: run by Dynamo while it traces a compiled forward's hooks, not by the graph
+    (assume_constant_result: called at trace time, its result a constant): no bucket is deferred to a hook from now
+    on, and the mix eager forwards deferred is applied now, before the compiled forward reads those parameters.
+    Applied by the graph instead, it was a torch.compiler.disable'd call in it after every eager step (a graph break
+    per deferring module, and fullgraph=True raised Dynamo's "Skip calling torch.compiler.disable()'d function").
+    Only a trace runs this: a cached graph does not, hence off for good (idempotent: a retrace or a second compiled
+    model repeats it). A function of no argument, made per hooks object (through a weak reference: no cycle): torch
+    2.11's Dynamo turns each argument of an assume_constant_result function into a Python constant first, which a
+    MixBeforeUse is not (InternalTorchDynamoError "UserDefinedObjectVariable(MixBeforeUse) is not a constant"; 2.14
+    passes the object itself)."""
+
+    @torch.compiler.assume_constant_result
+    def stop() -> bool:
+        hooks = hooks_ref()
+        if hooks is not None:
+            hooks._deferral_off = True
+            _mix_every_pending(hooks)  # (run here as plain Python: Dynamo calls this function, it does not trace it)
+        return True
+    return stop
 
 
 @torch.compiler.disable
@@ -291,3 +301,4 @@ class _Detached(MixBeforeUse):
         # of the copy raised AttributeError '_covers'). Not no-op overrides: copy.deepcopy copies a bound method with
         # its function, so a deep copy's hooks stay MixBeforeUse's methods.
         self._bucket_of, self._covers = {}, weakref.WeakKeyDictionary()
+        self._stop_deferring = _deferral_stopper(weakref.ref(self))  # (a compiled forward of the copy calls it)

@@ -119,7 +119,7 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
         return averaged
 
     def _average_gradients(self, found_inf, grad_scale):
-        if not getattr(self._closure, "averages", False):  # else after each evaluation of the closure
+        if not getattr(self._this_step.closure, "averages", False):  # else after each evaluation of the closure
             return super()._average_gradients(found_inf, grad_scale)
         return grad_scale
 
@@ -135,7 +135,8 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:
-            self._closure_loss = self.inner.step(self._closure) if self._closure is not None else self.inner.step()
+            closure, now = self._this_step.closure, self._this_step
+            now.closure_loss = self.inner.step(closure) if closure is not None else self.inner.step()
 
     def _optimizer_state_dict(self) -> dict:
         # this wrapper's state_dict hooks run around the whole (DecentralizedMixin.state_dict); the inner
