@@ -9,6 +9,7 @@ test_optim_dcp_migration.py, test_optim_state.py, test_elastic_resume.py.)"""
 import sys
 import warnings
 
+import pytest
 import torch
 
 import decent_comm
@@ -57,3 +58,43 @@ def test_under_warnings_as_errors_it_raises_and_a_retried_step_trains_as_the_war
         assert caught == [] and len(raised) == 1, (caught, raised)
         assert raised[0][0].startswith(f"decent_comm: rank {rank}: ATC: parameters of shapes"), raised
         assert torch.equal(params, warned_params), (params, warned_params)
+
+
+def _train_scaled(rank, n, kind, action):
+    """_train under torch.amp.GradScaler, the step being scaler.step(opt): (the number of raises, the parameters)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    if kind == "DSGD":
+        opt = decent_comm.DSGD(m.parameters(), lr=0.1, topology="ring", mode="atc", model=m, timeout=30)
+    else:
+        opt = decent_comm.Decentralized(torch.optim.SGD(m.parameters(), lr=0.1), topology="ring", mode="atc",
+                                        model=m, timeout=30)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    raised = 0
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter(action)
+        for t in range(3):
+            opt.zero_grad()
+            scaler.scale(m(x).sum() if t == 0 else m.weight.square().sum() + m.bias.sum()).backward()
+            try:
+                scaler.step(opt)
+            except UserWarning:
+                raised += 1
+                scaler.step(opt)  # the retry
+            scaler.update()
+    params = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    opt.shutdown()
+    return raised, params
+
+
+@pytest.mark.parametrize("kind", ["DSGD", "Decentralized(SGD)"])
+def test_a_retried_gradscaler_step_trains_as_the_warned_run(kind):
+    """Review DG: the wrapped optimizer's gradients were unscaled on the host before the warning raised, and unscaled
+    again by the retry; and torch's GradScaler.step keeps opt.grad_scale when step() raises, so its retry multiplied
+    the scale in twice (both: 0.1 off the warned run)."""
+    always = run_ranks(_train_scaled, 2, kind, "always", timeout=120)
+    error = run_ranks(_train_scaled, 2, kind, "error", timeout=120)
+    for (_, warned_params), (raised, params) in zip(always, error):
+        assert raised == 1
+        assert torch.equal(params, warned_params), (params - warned_params).abs().max()

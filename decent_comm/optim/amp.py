@@ -15,6 +15,7 @@ Two ways to honour it:
   synchronization) and unscale the flat gradients before the update.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -74,3 +75,25 @@ def unscale_(grad_scale, grads: List[torch.Tensor]) -> None:
     inv = 1.0 / grad_scale.double() if torch.is_tensor(grad_scale) else 1.0 / grad_scale
     for g in grads:
         g.mul_(inv.to(g.device) if torch.is_tensor(inv) else inv)
+
+
+def forgets_scaler_on_error(step):
+    """step() that drops GradScaler's ``opt.grad_scale`` / ``opt.found_inf`` when it raises. GradScaler.step sets them
+    before calling step() and deletes them only when it returns: after a raise they stayed, and the retried
+    scaler.step multiplied its scale into the stale one (grad_scale: scale**2), so the retry unscaled the gradients
+    by the square (0.1 off the warned run after one step retried under -W error, review DG); a plain opt.step()
+    retry unscaled by a scale no scaler had set for it."""
+    @functools.wraps(step)
+    def step_forgetting_scaler(self, *args, **kwargs):
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            _forget_scaler(self)
+            raise
+    return step_forgetting_scaler
+
+
+@torch.compiler.disable  # torch 2.11's Dynamo refuses attribute changes on an optimizer (optim/step_vars.py)
+def _forget_scaler(opt) -> None:
+    for name in ("grad_scale", "found_inf"):
+        opt.__dict__.pop(name, None)

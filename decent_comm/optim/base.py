@@ -199,6 +199,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         return None if self._schedule.average_gradients(self._schedule.t, found_inf, grad_scale=grad_scale) \
             else grad_scale
 
+    @amp.forgets_scaler_on_error
     @torch.no_grad()
     def step(self, closure=None):
         self._schedule.check_running(f"{type(self).__name__}.step()")  # CUDA graph capture, after shutdown()
@@ -220,6 +221,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         if closure is not None and now.closure is None:
             with torch.enable_grad():
                 loss = closure()
+        if self.mode == "atc" and now.closure is None:  # (not with a closure the wrapped optimizer runs after the mix)
+            self._schedule.check_deferred_used()  # a bypassed hook, warned of before anything changes (see there)
         with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
             self._gather_grads()
             found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
@@ -315,8 +318,6 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
 
     def _step_atc(self, skip_update: bool):
         s = self._schedule
-        if self._this_step.closure is None:  # else the wrapped optimizer runs the closure after the mix: no bypass to
-            s.check_deferred_used()  # find (the gradients now are the last closure's: each step warned wrongly)
         s.mix_pending()
         measure = s.wants_step_sq(s.t)  # decided below, before this step's exchange
         refs = [b.flat.clone() for b in self._buckets] if measure else None

@@ -43,8 +43,8 @@ from .._warn import warn_user
 
 
 # Module hook handles let go of during a cyclic garbage collection (a schedule collected, or shut down by its
-# optimizer's finalizer): removed at the next safe point (a new MixBeforeUse, a removal outside a collection). A collection
-# runs wherever an allocation starts it, also inside torch's loop over a module's state_dict pre-hooks (which
+# optimizer's finalizer): removed at the next safe point (a new MixBeforeUse, a removal outside a collection).
+# A collection runs wherever an allocation starts it, also inside torch's loop over a module's state_dict pre-hooks (which
 # iterates that dict itself): removing one there raised "OrderedDict mutated during iteration" from the user's
 # model.state_dict(). Until then they are no-ops (their schedule is gone or shut down).
 _orphaned: List[list] = []
@@ -228,7 +228,9 @@ class MixBeforeUse:
         shapes = [tuple(s.param.shape) for i in late for s in used[i]]
         # A warning (the user can run those modules, or ignore it knowingly), once per bucket (distrusted from now
         # on), at the user's opt.step() line: the forward that read the parameters is over, its line unknown here.
-        # Under -W error it raises before this step has changed anything but that distrust: a retry steps.
+        # Under -W error it raises before this step has changed anything but that distrust (step() checks before the
+        # gradients are gathered and GradScaler's unscaled: after, a retry unscaled twice, review DG): a retry steps.
+        # Not checked with a closure the wrapped optimizer runs after the mix (the gradients are the last closure's).
         warn_user(f"ATC: parameters of shapes {shapes} were used in a forward without the module holding them running "
                   "(a method other than forward(), or a parameter read directly), so this step's gradient was taken "
                   "before their mix; their buckets are mixed at the end of step() from now on",
