@@ -6,9 +6,10 @@ on the machine that runs it.
 
 The default is the GPU machine's torch (2.11, /work/.library/device/KINDS.md): the GPU check builds there, and a
 torch API newer than it stopped that build once (ProcessGroup::hasBackendForDeviceType). The wheel (about 530 MB,
-from the package registry, without its dependencies) is cached; only its headers are unpacked. The CUDA and NCCL
-headers are this machine's (build_tools/cuda_home.py, build_tools/nccl.py): the .cu files include no torch header,
-so they do not depend on the torch version and are compiled by the build itself.
+from the package registry, without its dependencies) is kept in build/torch-wheels, which `make test-min-torch`
+installs (build_tools/test_min_torch.py: the Python tests under that torch); only its headers are unpacked here. The
+CUDA and NCCL headers are this machine's (build_tools/cuda_home.py, build_tools/nccl.py): the .cu files include no
+torch header, so they do not depend on the torch version and are compiled by the build itself.
 """
 
 import argparse
@@ -27,23 +28,30 @@ from build_tools.cuda_home import find_cuda_home  # noqa: E402
 from build_tools.nccl import find_nccl  # noqa: E402
 
 
-def torch_headers(version: str, cache: str) -> str:
-    """The include directory of torch==`version`'s wheel for this Python, downloaded and unpacked once."""
-    where = os.path.join(cache, version)
-    include = os.path.join(where, "torch", "include")
-    if os.path.isdir(include):
-        return include
+WHEELS = os.path.join(ROOT, "build", "torch-wheels")
+
+
+def fetch_wheel(version: str, where: str = WHEELS) -> str:
+    """torch==`version`'s wheel for this Python, downloaded once into `where` and kept: the header check unpacks its
+    headers, and build_tools/test_min_torch.py installs it (one download for both)."""
     os.makedirs(where, exist_ok=True)
-    wheels = glob.glob(os.path.join(where, f"torch-{version}-*.whl"))
-    if not wheels:
+    pattern = os.path.join(where, f"torch-{version}-cp{sys.version_info[0]}{sys.version_info[1]}-*.whl")
+    if not glob.glob(pattern):
         # PIP_CONSTRAINT is cleared: a cap on the torch release installed here must not refuse a download of another
         cmd = [sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "--only-binary=:all:",
                "-d", where]
         subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
-        wheels = glob.glob(os.path.join(where, f"torch-{version}-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as wheel:
+    return sorted(glob.glob(pattern))[-1]
+
+
+def torch_headers(version: str, cache: str) -> str:
+    """The include directory of torch==`version`'s wheel for this Python, unpacked once."""
+    where = os.path.join(cache, version)
+    include = os.path.join(where, "torch", "include")
+    if os.path.isdir(include):
+        return include
+    with zipfile.ZipFile(fetch_wheel(version)) as wheel:
         wheel.extractall(where, [n for n in wheel.namelist() if n.startswith("torch/include/")])
-    os.remove(wheels[0])  # the headers are what is kept
     return include
 
 
