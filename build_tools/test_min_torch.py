@@ -29,12 +29,13 @@ from build_tools.check_torch_headers import fetch_wheel  # noqa: E402
 
 # compile/Dynamo (a compiled step, ATC's hooks traced into a compiled forward), torch.optim's conventions and hooks,
 # ATC's module hooks, the updates against torch's own optimizers, DCP, AMP (GradScaler's step protocol), modules made
-# or replaced while training, DDP's construction hooks, the custom ops' opcheck and the build-time torch recorded by
-# the extension.
+# or replaced while training, DDP's construction hooks, warnings attributed past torch's frames (and a step retried
+# under GradScaler), the custom ops' opcheck and the build-time torch recorded by the extension.
 DEFAULT_TESTS = ["tests/test_compiled_step.py", "tests/test_atc_compile.py", "tests/test_optim_module_changes.py",
                  "tests/test_optim_torch_conventions.py", "tests/test_atc.py", "tests/test_optim_local.py",
                  "tests/test_optim_dcp_migration.py", "tests/test_optim_amp.py", "tests/test_optim_ddp.py",
-                 "tests/test_collected_during_hooks.py", "tests/test_ops.py", "tests/test_build_info.py"]
+                 "tests/test_collected_during_hooks.py", "tests/test_user_warnings.py", "tests/test_ops.py",
+                 "tests/test_build_info.py"]
 
 # What is not copied: the checkout's own build (its .so is the main torch's), venvs, caches, git.
 _NOT_COPIED = shutil.ignore_patterns(".git", ".venv*", "build", "*.so", "__pycache__", ".pytest_cache",
