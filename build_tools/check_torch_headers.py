@@ -35,13 +35,20 @@ def fetch_wheel(version: str, where: str = WHEELS) -> str:
     """torch==`version`'s wheel for this Python, downloaded once into `where` and kept: the header check unpacks its
     headers, and build_tools/test_min_torch.py installs it (one download for both)."""
     os.makedirs(where, exist_ok=True)
-    pattern = os.path.join(where, f"torch-{version}-cp{sys.version_info[0]}{sys.version_info[1]}-*.whl")
-    if not glob.glob(pattern):
+    # torch-VERSION or torch-VERSION+LABEL (an index serving local-labelled wheels, +cpu / +cu130: pip's torch==VERSION
+    # takes them too), for this Python
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    pattern = [os.path.join(where, f"torch-{version}{label}-{tag}-*.whl") for label in ("", "+*")]
+    found = lambda: sorted(f for p in pattern for f in glob.glob(p))  # noqa: E731
+    if not found():
         # PIP_CONSTRAINT is cleared: a cap on the torch release installed here must not refuse a download of another
         cmd = [sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "--only-binary=:all:",
                "-d", where]
         subprocess.run(cmd, check=True, env={**os.environ, "PIP_CONSTRAINT": ""})
-    return sorted(glob.glob(pattern))[-1]
+    if not found():
+        sys.exit(f"fetch_wheel: pip downloaded no torch {version} wheel for {tag} into {where} "
+                 f"(it holds: {sorted(os.listdir(where))})")
+    return found()[-1]
 
 
 def torch_headers(version: str, cache: str) -> str:

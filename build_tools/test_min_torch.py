@@ -87,8 +87,10 @@ def check_imports(python: str, src: str, version: str) -> None:
     decent_comm imported from the checkout (whose .so is the main torch's), would pass for the wrong reason."""
     probe = ("import torch, decent_comm, decent_comm._C as c; "
              "print(torch.__version__); print(decent_comm.__file__); print(c.__file__)")
-    out = subprocess.run([python, "-c", probe], cwd=src, env=_test_env(src), check=True, capture_output=True,
-                         text=True).stdout.split()
+    run = subprocess.run([python, "-c", probe], cwd=src, env=_test_env(src), capture_output=True, text=True)
+    if run.returncode != 0:  # the reason (an ImportError of the extension built here) is the child's stderr
+        sys.exit(f"test_min_torch: the venv's python cannot import torch and the copy's decent_comm:\n{run.stderr}")
+    out = run.stdout.split()
     torch_version, package, extension = out[-3:]
     print(f"test_min_torch: torch {torch_version}, decent_comm from {package}, extension {extension}", flush=True)
     if torch_version.split("+")[0] != version:
@@ -107,7 +109,7 @@ def _test_env(src: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--torch", default="2.11.0", help="the torch release to test against")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (MAX_JOBS)")
     ap.add_argument("--pytest-args", default="", help="more pytest arguments, space-separated")

@@ -82,7 +82,8 @@ def forgets_scaler_on_error(step):
     before calling step() and deletes them only when it returns: after a raise they stayed, and the retried
     scaler.step multiplied its scale into the stale one (grad_scale: scale**2), so the retry unscaled the gradients
     by the square (0.1 off the warned run after one step retried under -W error, review DG); a plain opt.step()
-    retry unscaled by a scale no scaler had set for it."""
+    retry unscaled by a scale no scaler had set for it. A grad_scale set by hand (GradScaler multiplies one in) is
+    dropped too when step() raises: set it again before a retry."""
     @functools.wraps(step)
     def step_forgetting_scaler(self, *args, **kwargs):
         try:
