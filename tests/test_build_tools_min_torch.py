@@ -29,6 +29,7 @@ def test_a_download_that_brings_no_wheel_is_named(tmp_path, monkeypatch):
 
 def test_a_failed_import_of_the_copy_shows_why(tmp_path):
     (tmp_path / "decent_comm").mkdir()
-    (tmp_path / "decent_comm" / "__init__.py").write_text("raise ImportError('undefined symbol _ZN3c10 (another torch)')")
+    init = tmp_path / "decent_comm" / "__init__.py"
+    init.write_text("raise ImportError('undefined symbol _ZN3c10 (another torch)')")
     with pytest.raises(SystemExit, match="undefined symbol _ZN3c10"):
         test_min_torch.check_imports(sys.executable, str(tmp_path), "2.11.0")
