@@ -1,10 +1,10 @@
 """Checks decent_comm.runtime_model against step times measured on the emulated cluster.
 
-    sudo .venv/bin/python bench/validate_model.py            # 32 configurations, ~9 min on 2 cores
-    sudo .venv/bin/python bench/validate_model.py --quick    # 16 configurations (4x1 only), ~5 min
+    sudo .venv/bin/python bench/validate_model.py            # 40 configurations, ~10 min on 2 cores
+    sudo .venv/bin/python bench/validate_model.py --quick    # 20 configurations (4x1 only), ~5 min
     .venv/bin/python bench/validate_model.py --from-json bench/results/validate_model.json   # re-evaluate only
 
-Grid: layouts (NODESxRANKS) x link bandwidths x {allreduce, one-peer-exp, aer, ring} x straggler std
+Grid: layouts (NODESxRANKS) x link bandwidths x {allreduce, one-peer-exp, aer, aer-pair, ring} x straggler std
 {0, 0.3}, the synthetic workload (bench/synthetic_train.py: 250k parameters = 1 MB per message, 100 ms of
 sleep compute, DDP / DAdamW in AWC mode) in network namespaces with tc-tbf-shaped node links
 (decent_train/cluster, jobs run by bench/cluster_worker.py as in bench/cluster.py).
@@ -205,10 +205,10 @@ def scatter(rows: list, path: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="layout 4x1 only (16 configurations)")
+    p.add_argument("--quick", action="store_true", help="layout 4x1 only (20 configurations)")
     p.add_argument("--layouts", default="4x1,2x2")
     p.add_argument("--bandwidths", default="50Mbit,200Mbit")
-    p.add_argument("--topologies", default="one-peer-exp,aer,ring")
+    p.add_argument("--topologies", default="one-peer-exp,aer,aer-pair,ring")
     p.add_argument("--stds", default="0,0.3", help="straggler std values (fraction of the mean compute)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=10)
