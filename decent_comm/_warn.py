@@ -30,6 +30,11 @@ def warn_user(message: str, rank: Optional[int] = None) -> None:
     warnings.warn(who(rank) + message, UserWarning, stacklevel=level if frame is not None else 2)
 
 
+def job_rank(owner) -> Optional[int]:
+    """The rank a warning names for `owner` (an optimizer or its schedule): its rank in a job of several, else None."""
+    return owner.rank if owner.world_size > 1 else None
+
+
 def who(rank: Optional[int] = None) -> str:
     """The prefix of a warning or log line: "decent_comm: rank R: " where a process group runs, else "decent_comm: "."""
     return "decent_comm: " if rank is None else f"decent_comm: rank {rank}: "

@@ -7,6 +7,7 @@ once it writes puts the optimizer back as it was (load_rollback.py).
 
 import torch
 
+from .._warn import job_rank
 from . import state_dict_hooks
 from .int8_wire import PREFIX as WIRE_PREFIX
 from .int8_wire import Int8Wire
@@ -141,7 +142,7 @@ class StateDictMixin:
         param_of = self._saved_param_of(state_dict)
         saved_state, _ = split_saved_state(state_dict.get("state", {}), param_of)
         extra, restart_copies = check_schedule_state(extra, saved_state, has_int8_wire, len(self._param_list()),
-                                                     self.rank if self.world_size > 1 else None)
+                                                     job_rank(self))
         self._schedule.check_loadable(extra)
         self._check_state_names(saved_state)
         # The int8 wire's round in flight goes into the live copies first, on every rank: a state dict without

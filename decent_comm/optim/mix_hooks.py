@@ -39,14 +39,14 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._warn import warn_user
+from .._warn import job_rank, warn_user
 
 
 # Module hook handles let go of during a cyclic garbage collection (a schedule collected, or shut down by its
 # optimizer's finalizer): removed at the next safe point (a new MixBeforeUse, a removal outside a collection).
-# A collection runs wherever an allocation starts it, also inside torch's loop over a module's state_dict pre-hooks (which
-# iterates that dict itself): removing one there raised "OrderedDict mutated during iteration" from the user's
-# model.state_dict(). Until then they are no-ops (their schedule is gone or shut down).
+# A collection runs wherever an allocation starts it, also inside torch's loop over a module's state_dict pre-hooks
+# (which iterates that dict itself): removing one there raised "OrderedDict mutated during iteration" from the
+# user's model.state_dict(). Until then they are no-ops (their schedule is gone or shut down).
 _orphaned: List[list] = []
 _collecting = [False]  # inside a cyclic garbage collection (gc.callbacks)
 
@@ -90,7 +90,7 @@ class MixBeforeUse:
         self._stop_deferring = _deferral_stopper(weakref.ref(self))
         self._global = model is None
         if model is not None:
-            _warn_if_compiled_before(model, schedule.rank if schedule.world_size > 1 else None)
+            _warn_if_compiled_before(model, job_rank(schedule))
             for m in model.modules():
                 if m._parameters:
                     # first among the module's pre-hooks: one registered earlier that computes the weight (the old
@@ -234,7 +234,7 @@ class MixBeforeUse:
         warn_user(f"ATC: parameters of shapes {shapes} were used in a forward without the module holding them running "
                   "(a method other than forward(), or a parameter read directly), so this step's gradient was taken "
                   "before their mix; their buckets are mixed at the end of step() from now on",
-                  schedule.rank if schedule.world_size > 1 else None)
+                  job_rank(schedule))
 
     def remove(self):
         self._finalizer()

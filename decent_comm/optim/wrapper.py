@@ -135,8 +135,8 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
     @traced("local_update")
     def _update_local(self, skip_update: bool):
         if not skip_update:
-            closure, now = self._this_step.closure, self._this_step
-            now.closure_loss = self.inner.step(closure) if closure is not None else self.inner.step()
+            now = self._this_step
+            now.closure_loss = self.inner.step(now.closure) if now.closure is not None else self.inner.step()
 
     def _optimizer_state_dict(self) -> dict:
         # this wrapper's state_dict hooks run around the whole (DecentralizedMixin.state_dict); the inner
