@@ -58,7 +58,7 @@ def make_venv(where: str, version: str) -> str:
         return python
     if not os.path.exists(python):
         _run([sys.executable, "-m", "venv", venv])
-    wheel = fetch_wheel(version, os.path.join(ROOT, "build", "torch-wheels"))
+    wheel = fetch_wheel(version)  # (kept in check_torch_headers.WHEELS, which that check reads too)
     # PIP_CONSTRAINT is cleared: it caps the main venv's torch (and pins what that torch needs), and this venv holds
     # another torch by design; a cap would refuse the install.
     _run([python, "-m", "pip", "install", "-q", wheel, "-r", os.path.join(ROOT, "requirements-dev.txt")],
