@@ -185,6 +185,8 @@ BAD = [
     (["--forward-fraction", "1.5"], "--forward-fraction"),
     (["--forward-fraction", "0.5", "--backward-fraction", "0.9"], "--forward-fraction"),
     (["--wire-dtype", "fp7"], "--wire-dtype"),
+    (["--wire-dtype", "fp8"], "--wire-dtype"),  # no optimizer or DDP runs an fp8 wire: never priced
+    (["--wire-dtype", "tf32"], "--wire-dtype"),
     (["--intra-sharing", "socket"], "--intra-sharing"),
     (["--mode", "sync"], "--mode"),
     (["--topologies", "moebius"], "--topologies"),
@@ -324,3 +326,21 @@ def test_a_schedule_that_never_averages_is_not_recommended():
     d = json.loads(out)
     assert code == 0 and d["recommended"] == "allreduce"
     assert {x["family"] for x in d["time_to_quality"]} == {"allreduce", "periodic"}
+
+
+def test_every_priced_wire_is_one_the_optimizers_run():
+    """--wire-dtype offers the optimizers' comm_dtype choices only, each at its element size on the wire (int8: one
+    float32 scale per INT8_BLOCK elements); it priced an fp8 wire that every optimizer refuses."""
+    import torch
+
+    from decent_comm.ops import INT8_BLOCK
+    from decent_comm.optim.startup import COMM_DTYPES
+    from decent_comm.runtime_model import WIRE_DTYPES
+
+    torch_name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+    for name, nbytes in WIRE_DTYPES.items():
+        dtype = getattr(torch, torch_name.get(name, name))
+        assert dtype in COMM_DTYPES, name
+        element = torch.empty((), dtype=dtype).element_size()
+        assert nbytes == (element + 4 / INT8_BLOCK if dtype == torch.int8 else element), name
+    assert {getattr(torch, torch_name.get(n, n)) for n in WIRE_DTYPES} == set(COMM_DTYPES)

@@ -38,8 +38,10 @@ EXCHANGES = ("auto", "p2p", "group-allreduce")
 #: With exchange="auto", a step runs as group all-reduces when one of its groups has this many ranks
 #: (the same threshold the optimizers use).
 AUTO_MIN_GROUP = MIN_ALLREDUCE_GROUP
-WIRE_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
-               "float16": 2, "half": 2, "fp8": 1, "int8": 1 + 4 / 512, "fp64": 8, "float64": 8}
+#: Bytes per parameter of each wire the optimizers' comm_dtype offers (and only those: the planner must not price a
+#: wire nothing can run). int8 carries one float32 scale per 512-element block.
+WIRE_DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+               "int8": 1 + 4 / 512, "fp64": 8, "float64": 8}
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 
 
