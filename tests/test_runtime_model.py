@@ -10,7 +10,7 @@ from decent_comm import topology as T
 from decent_comm.runtime_model import (ClusterConfig, ComputeTime, UnitError, Workload, allreduce_cost,
                                        expected_max_normal, expected_max_sample, parse_bandwidth, parse_count,
                                        parse_duration, parse_size, plan, predict, simulate, simulate_allreduce)
-from decent_comm.runtime_model.closed_form import make_topology
+from decent_comm.runtime_model.gossip import make_topology
 from decent_comm.runtime_model.gossip import schedule_comm
 from decent_comm.runtime_model.loads import schedule_links
 from decent_comm.topology import averaging_groups as step_groups

@@ -12,7 +12,7 @@ import pytest
 from decent_comm import ops
 from decent_comm.optim import plan as optim_plan
 from decent_comm.runtime_model import ClusterConfig, ComputeTime, Workload, plan
-from decent_comm.runtime_model.closed_form import make_topology
+from decent_comm.runtime_model.gossip import make_topology
 from decent_comm.runtime_model.hardware import MAX_WORLD_SIZE
 from decent_comm.runtime_model.messages import MAX_MESSAGES
 from decent_comm.runtime_model.quality import RECIPES

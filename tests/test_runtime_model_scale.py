@@ -11,7 +11,7 @@ import pytest
 from decent_comm import topology as T
 from decent_comm.runtime_model import ClusterConfig, ComputeTime, Workload, plan, predict, simulate
 from decent_comm.runtime_model import planner as planner_mod
-from decent_comm.runtime_model.closed_form import make_topology
+from decent_comm.runtime_model.gossip import make_topology
 from decent_comm.runtime_model.hardware import MAX_WORLD_SIZE
 from decent_comm.runtime_model.loads import links_from_groups, links_from_messages, schedule_of
 from decent_comm.runtime_model.messages import MAX_MESSAGES, TooManyMessages, known_groups, step_builder

@@ -5,7 +5,7 @@ per-edge deltas cannot be summed); "group-allreduce" (the seed library) sums in 
 import pytest
 
 from decent_comm.runtime_model import ClusterConfig, ComputeTime, Workload, predict, simulate
-from decent_comm.runtime_model.closed_form import make_topology
+from decent_comm.runtime_model.gossip import make_topology
 from decent_comm.runtime_model.gossip import schedule_comm
 
 GBIT = 1e9 / 8
@@ -78,3 +78,14 @@ def test_plan_param_dtype_prices_a_bf16_model():
     # one-peer-exp is point to point over the bf16 wire either way, and DDP all-reduces the bf16 wire either way
     for name in ("one-peer-exp", "allreduce"):
         assert bf16[name]["comm_seconds"] == fp32[name]["comm_seconds"]
+
+
+def test_schedule_comm_takes_a_topology_name_as_its_siblings_do():
+    """predict/simulate/plan take names; schedule_comm raised AttributeError ("'str' object has no attribute
+    '__dict__'") on one."""
+    c, w = _cluster(), _work(4)
+    assert _seconds(w, "aer") == _seconds(w, make_topology("aer", 8, 4))
+    with pytest.raises(TypeError, match="topology must be"):
+        schedule_comm(c, w, None)
+    with pytest.raises(ValueError, match="local_world_size=2"):
+        schedule_comm(c, w, make_topology("ring", 8, 2))

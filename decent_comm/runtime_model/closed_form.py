@@ -34,13 +34,11 @@ or a ``Topology`` for ``cluster.world_size`` ranks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from .. import topology as _topology
 from .allreduce import allreduce_cost
-from .gossip import schedule_comm, straggler_penalty, sync_set_size, throughput_bound
+from .gossip import resolve_topology, schedule_comm, straggler_penalty, sync_set_size, throughput_bound
 from .stragglers import effective_sync_set
 
 
@@ -95,24 +93,6 @@ class Prediction:
         return d
 
 
-@functools.lru_cache(maxsize=256)
-def make_topology(name: str, world_size: int, local_world_size: int):
-    """``decent_comm.topology.make`` with a cache (the link tables are cached on the object)."""
-    return _topology.make(name, world_size, local_world_size)
-
-
-def resolve_topology(topology, cluster):
-    """A ``Topology`` for ``cluster`` from a name or a ``Topology`` (checked against the cluster)."""
-    if isinstance(topology, str):
-        return make_topology(_topology.canonical_name(topology), cluster.world_size, cluster.ranks_per_node)
-    if not isinstance(topology, _topology.Topology):  # None, a number, a matrix raised AttributeError
-        raise TypeError(f"topology must be a built-in name or a decent_comm.topology.Topology, got "
-                        f"{type(topology).__name__}")
-    if topology.world_size != cluster.world_size or topology.local_world_size != cluster.ranks_per_node:
-        raise ValueError(f"topology {topology.name!r} has world_size={topology.world_size},"
-                         f" local_world_size={topology.local_world_size}; the cluster is"
-                         f" {cluster.nodes} nodes x {cluster.ranks_per_node} ranks")
-    return topology
 
 
 def _allreduce(cluster, workload):

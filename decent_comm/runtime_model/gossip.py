@@ -76,10 +76,12 @@ times.  The naive "wait for the slowest of degree + 1" rule would give
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 
+from .. import topology as _topology
 from .allreduce import ring_allreduce
 from .loads import schedule_of
 from .stragglers import expected_max_normal
@@ -237,8 +239,30 @@ def _p2p_step(cluster, B: float, links) -> StepComm:
         nic_seconds=node_load / node_bw, port_seconds=port)
 
 
+@functools.lru_cache(maxsize=256)
+def make_topology(name: str, world_size: int, local_world_size: int):
+    """``decent_comm.topology.make`` with a cache (the link tables are cached on the object)."""
+    return _topology.make(name, world_size, local_world_size)
+
+
+def resolve_topology(topology, cluster):
+    """A ``Topology`` for ``cluster`` from a name or a ``Topology`` (checked against the cluster)."""
+    if isinstance(topology, str):
+        return make_topology(_topology.canonical_name(topology), cluster.world_size, cluster.ranks_per_node)
+    if not isinstance(topology, _topology.Topology):  # None, a number, a matrix raised AttributeError
+        raise TypeError(f"topology must be a built-in name or a decent_comm.topology.Topology, got "
+                        f"{type(topology).__name__}")
+    if topology.world_size != cluster.world_size or topology.local_world_size != cluster.ranks_per_node:
+        raise ValueError(f"topology {topology.name!r} has world_size={topology.world_size},"
+                         f" local_world_size={topology.local_world_size}; the cluster is"
+                         f" {cluster.nodes} nodes x {cluster.ranks_per_node} ranks")
+    return topology
+
+
 def schedule_comm(cluster, workload, topology) -> list:
-    """``StepComm`` for every step of ``topology``'s period (formulas in the module docstring)."""
+    """``StepComm`` for every step of ``topology``'s period (a name or a ``Topology``; formulas in the module
+    docstring)."""
+    topology = resolve_topology(topology, cluster)
     B = workload.bytes_per_rank
     out = []
     for table in schedule_of(topology).steps:

@@ -47,8 +47,8 @@ import dataclasses
 import functools
 
 from .. import topology as _topology
-from .closed_form import Prediction, make_topology, predict_allreduce, predict_gossip
-from .gossip import workload_step_groups
+from .closed_form import Prediction, predict_allreduce, predict_gossip
+from .gossip import make_topology, workload_step_groups
 from .loads import schedule_of
 from .mix_width import MixTooWide, check_mix_width
 from .mixing import sparse_gap_per_step

@@ -58,8 +58,7 @@ import numpy as np
 
 from .._args import integer
 from .allreduce import allreduce_cost
-from .closed_form import resolve_topology
-from .gossip import group_costs, workload_step_groups
+from .gossip import group_costs, resolve_topology, workload_step_groups
 from .loads import schedule_of
 
 
