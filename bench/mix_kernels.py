@@ -318,6 +318,9 @@ def main():
     ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else {"mix", "adam", "sgd", "int8"}
+    if not only <= {"mix", "adam", "sgd", "int8"}:  # an unknown part ran nothing and wrote an empty table
+        ap.error(f"--only: unknown part(s) {sorted(only - {'mix', 'adam', 'sgd', 'int8'})}; choose from mix,adam,sgd,int8")
 
     sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
     if args.sizes:
@@ -341,7 +344,6 @@ def main():
         print(f"\nthreads {torch.get_num_threads()}")
         print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
         print("|--------------|-------|---|----------|--------|----------|----------------------|")
-        only = set(args.only.split(",")) if args.only else {"mix", "adam", "sgd", "int8"}
         part = bench_mix(args.device, sizes, ks, nb_dtypes, repeats) if "mix" in only else []
         if "adam" in only:
             part += bench_adam(args.device, sizes, [0, 1] if args.quick else [0, 1, 2], repeats)

@@ -176,3 +176,15 @@ def test_the_world_size_refusal_names_the_section_that_says_how_to_resume():
     title = re.search(r"docs/state\.md '([^']+)'", str(refused.value)).group(1)
     assert f"\n## {title}\n" in read("docs/state.md")
     assert f"(docs/state.md#{title.lower().replace(' ', '-')})" in read("README.md")
+
+
+def test_the_errors_the_readme_says_to_catch_are_top_level():
+    """README's Troubleshooting tells users to catch ExchangeTimeout / ExchangeError; they were importable only from
+    decent_comm.exchange, which no page named."""
+    import decent_comm
+    from decent_comm import exchange
+
+    assert decent_comm.ExchangeTimeout is exchange.ExchangeTimeout and decent_comm.ExchangeError is exchange.ExchangeError
+    assert issubclass(decent_comm.ExchangeTimeout, (decent_comm.ExchangeError)) and issubclass(
+        decent_comm.ExchangeTimeout, TimeoutError) and issubclass(decent_comm.ExchangeError, RuntimeError)
+    assert "`decent_comm.ExchangeTimeout` / `decent_comm.ExchangeError`" in one_line(read("README.md"))

@@ -5,8 +5,8 @@
 * ``GroupAllReduce``: a buffer summed over a group of ranks with one all-reduce.
 * ``GossipExchange``: both behind the one interface the gossip schedule uses.
 
-Every path has the same methods - ``exchange``, ``wait``, ``wait_all``, ``synchronize``, ``bytes_sent``,
-``shutdown`` - and raises the same errors: ``ExchangeError`` (a RuntimeError: a peer exited, a transport
+Every path has the same method names - ``exchange`` (whose peer arguments are each path's own), ``wait``,
+``wait_all``, ``synchronize``, ``bytes_sent``, ``shutdown`` - and raises the same errors: ``ExchangeError`` (a RuntimeError: a peer exited, a transport
 failed; the object is unusable afterwards) and ``ExchangeTimeout`` (an ExchangeError and a TimeoutError).
 Bad arguments raise ``ValueError`` and leave the object usable.
 
