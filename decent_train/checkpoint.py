@@ -10,6 +10,12 @@ bare name of one of its step directories (not a path), and no file read (`latest
 rank file) may resolve, through symlinks, to a place outside it. `--resume auto` resumes from --checkpoint's
 `latest` when there is one and starts afresh otherwise (auto_resume_dir), so that one command line serves every
 attempt of `torchrun --max-restarts`.
+
+A checkpoint also records what a resume must match (`must_match`: --optimizer and the flags that define the model,
+Task.model_flags): a resume with other values is refused naming them (check_must_match), and a state that still
+does not load is a CheckpointError naming the file; both are one line and exit code 2 (decent_train.cli), where
+load_state_dict's RuntimeError or KeyError was a traceback on every rank, and DDP resumed a decentralized run's
+differing replicas without a word. Checkpoints of earlier versions record none and load as before.
 """
 
 import logging
@@ -18,13 +24,13 @@ import pickle
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
 
 from .distributed import DistEnv
-from .flags import hyperparameters
+from .flags import canonical_optimizer, hyperparameters
 from .strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -48,10 +54,41 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def must_match(args, model_flags: Sequence[str]) -> Dict[str, object]:
+    """What a resume of this run must match, flag dest -> value: --optimizer (another one's state loaded into torch's
+    AdamW with a KeyError, or into DDP without one, which then trained each rank's own decentralized replica as if
+    they were identical) and the flags that define the model (`model_flags`, the workload's Task.model_flags)."""
+    return {"optimizer": args.optimizer, **{name: getattr(args, name) for name in model_flags}}
+
+
+def _flags(values: dict, keys) -> str:
+    return ", ".join(f"--{k.replace('_', '-')} {values[k]}" if k in values else f"no --{k.replace('_', '-')}"
+                     for k in keys)
+
+
+def _same(key: str, saved, mine) -> bool:
+    return canonical_optimizer(saved) == canonical_optimizer(mine) if key == "optimizer" else saved == mine
+
+
+def check_must_match(step_dir: str, saved: Optional[dict], mine: Optional[dict]):
+    """A CheckpointError naming each flag whose value differs between the run that wrote the checkpoint (`saved`,
+    its must_match) and this one (`mine`), with both values; nothing when either is None (a checkpoint of an earlier
+    version records none, and a caller may pass none)."""
+    if saved is None or mine is None:
+        return
+    keys = list(saved) + [k for k in mine if k not in saved]
+    differ = [k for k in keys if k not in saved or k not in mine or not _same(k, saved[k], mine[k])]
+    if differ:
+        raise CheckpointError(f"{step_dir} was written with {_flags(saved, differ)}, this run has "
+                              f"{_flags(mine, differ)}: a run resumes with the optimizer and model it was written with "
+                              f"({_flags(saved, saved)}), or starts afresh")
+
+
 def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, scheduler, generator, progress: Progress,
-                    keep: Optional[int] = None):
+                    keep: Optional[int] = None, match: Optional[dict] = None):
     """Every rank writes its own file: decentralized replicas (and every rank's data stream) differ. `keep`
-    (--keep-checkpoints): how many committed steps to keep (None: all), see commit."""
+    (--keep-checkpoints): how many committed steps to keep (None: all), see commit. `match`: what a resume must
+    match (must_match), recorded as the file's "must_match"."""
     step_dir = os.path.join(root, step_dir_name(progress.step))
     # The optimizer first: a decentralized one synchronizes, which in ATC mode applies the pending mix to the
     # parameters. Copied before it, the model would lack that mix, and a resumed run (whose optimizer starts
@@ -66,6 +103,8 @@ def save_checkpoint(root: str, env: DistEnv, model, strategy: Strategy, schedule
         "step": progress.step, "train_time": progress.train_time, "rows": progress.rows,
         "world_size": env.world_size, "bytes_sent": strategy.bytes_sent,
     }
+    if match is not None:
+        state["must_match"] = dict(match)
     write_rank_file(step_dir, env.rank, state)
     commit(root, step_dir, env, keep)
     log.info("checkpoint written: %s", step_dir)
@@ -205,7 +244,24 @@ def missing_step_dir(step_dir: str, named_by: Optional[str] = None) -> str:
               "afresh")
 
 
-def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, scheduler, generator) -> Progress:
+def _load_into(file: str, what: str, target, state: dict):
+    """target.load_state_dict(state); a failure (torch's RuntimeError for other shapes or names, KeyError for
+    another optimizer's state, ValueError for another group layout or decent_comm's schedule) is a CheckpointError
+    naming the file, the first lines of the error kept (a size mismatch lists every parameter)."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        text = " ".join(lines[:2])
+        text = text[:300] + " ..." if len(text) > 300 or len(lines) > 2 else text
+        raise CheckpointError(f"{file}: its {what} does not load into this run's {type(target).__name__} "
+                              f"({type(e).__name__}: {text})") from e
+
+
+def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, scheduler, generator,
+                    match: Optional[dict] = None) -> Progress:
+    """Loads this rank's file of `path` (a checkpoint directory or one step directory) into the run's objects.
+    `match`: this run's must_match, refused (check_must_match) before anything is loaded when the file's differs."""
     step_dir = resolve_resume_dir(path)
     if not os.path.isdir(step_dir):  # a CheckpointError: one line (exit 2), not os.listdir's FileNotFoundError
         raise CheckpointError(missing_step_dir(step_dir, os.path.join(path, "latest") if step_dir != path else None))
@@ -221,9 +277,10 @@ def load_checkpoint(path: str, env: DistEnv, model, strategy: Strategy, schedule
     if state["world_size"] != env.world_size:
         raise ValueError(f"{step_dir} was written by {state['world_size']} ranks, this job has {env.world_size}: "
                          f"{OTHER_WORLD_SIZE}")
-    model.load_state_dict(state["model"])
-    strategy.optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    check_must_match(step_dir, state.get("must_match"), match)
+    _load_into(file, "model", model, state["model"])
+    _load_into(file, "optimizer state", strategy.optimizer, state["optimizer"])
+    _load_into(file, "lr schedule", scheduler, state["scheduler"])
     # RNG states are CPU byte tensors; map_location moved them to the training device.
     generator.set_state(state["data_rng"].cpu())
     torch.set_rng_state(state["torch_rng"].cpu())

@@ -6,7 +6,8 @@ bad input is one line and exit code 2, as `python -m decent_comm` answers it, ne
     main(parse_args, build_task, LR_DEFAULTS, argv)
 
 main() runs decent_train.loop.run: a value refused while the run is set up (SetupError: --local-world-size not
-dividing the ranks, a topology spec, a checkpoint, ...) is one line "train_lm.py: error: ..." and exit code 2;
+dividing the ranks, a topology spec, a checkpoint that cannot be read or was written by another world size,
+topology, --optimizer or model, ...) is one line "train_lm.py: error: ..." and exit code 2;
 Ctrl-C (SIGINT, which torchrun also forwards to its workers), or SIGTERM, stops the run where it is (decent_comm's
 step() finishes launching and updating its buckets first), logs "interrupted at step N" on every rank, shuts the
 optimizer down (bounded: decent_train.loop.RELEASE_TIMEOUT_S) and exits 130.

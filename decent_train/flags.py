@@ -236,8 +236,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                    help="resume from a checkpoint directory (its latest step) or one step_NNNNNNN directory; 'auto': "
                         "from --checkpoint's latest committed step when it has one, else start afresh (what a fixed "
                         "command line under torchrun --max-restarts needs; a directory named auto is ./auto); --lr, "
-                        "--weight-decay, --betas and --momentum given now replace the checkpoint's (default: none, "
-                        "start afresh)")
+                        "--weight-decay, --betas and --momentum given now replace the checkpoint's; --optimizer and "
+                        "the model's flags must be those it was written with (default: none, start afresh)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar (it is off anyway when not a tty)")
 
     g = parser.add_argument_group("runtime")
@@ -263,6 +263,11 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, batch_size: 
                                             "each step's forward (its own random stream; data is unchanged) "
                                             "(default: off)")
     return parser
+
+
+def canonical_optimizer(name: str) -> str:
+    """--optimizer's name with the default spelled out: allreduce is allreduce-adamw (the same torch class)."""
+    return "allreduce-adamw" if name == "allreduce" else name
 
 
 def optimizer_family(name: str) -> str:

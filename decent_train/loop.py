@@ -23,7 +23,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .checkpoint import Progress, apply_resumed_hyperparameters, auto_resume_dir, load_checkpoint, save_checkpoint
+from .checkpoint import (Progress, apply_resumed_hyperparameters, auto_resume_dir, load_checkpoint, must_match,
+                         save_checkpoint)
 from .distributed import (DistEnv, RendezvousTimeout, close_distributed, init_distributed, job_world_size, rank_seed,
                           setup_logging)
 from .flags import PROFILED, RESUME_AUTO, resolve_defaults
@@ -166,6 +167,7 @@ class Job:
     progress: Progress = field(default_factory=Progress)
     runlog: Optional[RunLog] = None
     config: Optional[dict] = None
+    must_match: Optional[dict] = None  # what a resume from this run's checkpoints must match (checkpoint.must_match)
 
 
 def set_up(job: Job, build_task, given):
@@ -178,11 +180,15 @@ def set_up(job: Job, build_task, given):
     torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizers also broadcast it)
     job.task = build_task(args, env)
     model = job.task.model.to(env.device)
+    job.must_match = must_match(args, job.task.model_flags)
     job.strategy = build_strategy(args, model, env)
     job.scheduler = make_lr_scheduler(job.strategy.optimizer, args)
     job.generator = torch.Generator().manual_seed(rank_seed(args.seed, env.rank))
     if resume:
-        job.progress = load_checkpoint(resume, env, model, job.strategy, job.scheduler, job.generator)
+        job.progress = load_checkpoint(resume, env, model, job.strategy, job.scheduler, job.generator, job.must_match)
+        if job.progress.step >= args.steps and env.is_main:  # the loop below runs no step: said, not silent
+            log.warning("--resume: the checkpoint is at step %d, at or past --steps %d: nothing is trained (give "
+                        "--steps above %d to train on)", job.progress.step, args.steps, job.progress.step)
         changed = apply_resumed_hyperparameters(args, given, job.strategy.optimizer, job.scheduler,
                                                 job.strategy.consensus)
         if changed:
@@ -309,7 +315,7 @@ def train(job: Job, stopwatch_cls=None) -> dict:
                     runlog.write(job.config, summarize(args, task, env, strategy, progress))
             if do_ckpt:
                 save_checkpoint(args.checkpoint, env, model, strategy, scheduler, generator, progress,
-                                getattr(args, "keep_checkpoints", None))
+                                getattr(args, "keep_checkpoints", None), match=job.must_match)
             watch.start()  # evaluation and checkpointing are not training time
 
     result = summarize(args, task, env, strategy, progress)

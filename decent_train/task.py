@@ -23,6 +23,9 @@ class Task:
     item_name: str = "tokens"
     report_accuracy: bool = False
     description: str = ""
+    # The flags (argparse dests) that define the model: a checkpoint records their values and a resume with other
+    # values is refused naming them (decent_train.checkpoint.check_must_match), not left to load_state_dict.
+    model_flags: Tuple[str, ...] = ()
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -21,8 +21,8 @@ KILL_AFTER, LATE_S = int(os.environ.get("KILL_AFTER", "-1")), float(os.environ.g
 if attempt == 0 and rank == 1 and KILL_AFTER >= 0:
     save = loop.save_checkpoint
 
-    def save_then_die(root, env, model, strategy, scheduler, generator, progress, *more):
-        save(root, env, model, strategy, scheduler, generator, progress, *more)
+    def save_then_die(root, env, model, strategy, scheduler, generator, progress, *more, **options):
+        save(root, env, model, strategy, scheduler, generator, progress, *more, **options)
         if progress.step == KILL_AFTER:
             # rank 0 writes `latest` after the ranks' barrier: wait for it, so the commit is not cut short
             latest, name = os.path.join(root, "latest"), f"step_{KILL_AFTER:07d}"

@@ -39,7 +39,8 @@ def build_task(args, env) -> Task:
         model=make_model(args.model, args.width, ds.num_classes),
         sample_batch=lambda g: data.random_rows(ds.x_train, ds.y_train, args.batch_size, g),
         val_batches=data.shard_rows(ds.x_val, ds.y_val, 256, env.rank, env.world_size),
-        items_per_batch=args.batch_size, item_name="samples", report_accuracy=True, description=ds.describe())
+        items_per_batch=args.batch_size, item_name="samples", report_accuracy=True, description=ds.describe(),
+        model_flags=("model", "width"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,7 +111,7 @@ def build_task(args, env) -> Task:
         model=model,
         sample_batch=lambda g: data.random_windows(corpus.train, args.batch_size, args.seq_len, g),
         val_batches=val, items_per_batch=args.batch_size * args.seq_len, item_name="tokens",
-        description=corpus.describe())
+        description=corpus.describe(), model_flags=("layers", "d_model", "heads", "seq_len"))
 
 
 def check_args(args):

@@ -117,7 +117,8 @@ def build_task(args, env) -> Task:
     return Task(model=model, sample_batch=sample, val_batches=val, items_per_batch=args.batch_size,
                        item_name="samples", report_accuracy=True,
                        description=f"synthetic teacher task: width {width} x {args.layers} blocks, {n / 1e6:.2f}M "
-                                   f"parameters, {args.compute_ms:g} ms of sleep compute per step")
+                                   f"parameters, {args.compute_ms:g} ms of sleep compute per step",
+                       model_flags=("params", "layers", "classes"))  # --compute-ms: the sleeps only
 
 
 def build_parser() -> argparse.ArgumentParser:
