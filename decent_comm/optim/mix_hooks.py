@@ -48,18 +48,22 @@ from .._warn import job_rank, warn_user
 # (which iterates that dict itself): removing one there raised "OrderedDict mutated during iteration" from the
 # user's model.state_dict(). Until then they are no-ops (their schedule is gone or shut down).
 _orphaned: List[list] = []
-_collecting = [False]  # inside a cyclic garbage collection (gc.callbacks)
+# The phase of the last cyclic garbage collection, as the dict's last key: gc.callbacks calls each with (phase, info),
+# so pop then __setitem__ move that phase's key to the end. Only C callables: a Python callback is the first bytecode
+# to run after a SIGINT that arrives while C code allocates, so Python's handler raised KeyboardInterrupt inside it,
+# and CPython ignores a gc callback's exception ("Exception ignored in ..."): Ctrl-C was lost (a run trained on to the
+# end). These run no bytecode: the signal waits for the program's next (or a finalizer's the collection runs).
+_gc_phase: dict = {}
+gc.callbacks.extend([_gc_phase.pop, _gc_phase.__setitem__])
 
 
-def _note_collection(phase, info) -> None:
-    _collecting[0] = phase == "start"
-
-
-gc.callbacks.append(_note_collection)
+def _collecting() -> bool:
+    """Inside a cyclic garbage collection (a finalizer it runs)."""
+    return next(reversed(_gc_phase), None) == "start"
 
 
 def _remove_orphaned() -> None:
-    while _orphaned and not _collecting[0]:
+    while _orphaned and not _collecting():
         for handle in _orphaned.pop():
             handle.remove()
 
