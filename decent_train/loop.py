@@ -264,7 +264,12 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
     except KeyboardInterrupt as e:
         ignore_further_interrupts()
         by = f" by {e}" if str(e).startswith("SIG") else ""  # decent_train.cli names SIGTERM
-        log.warning("interrupted%s at step %d of %d", by, job.progress.step, args.steps)
+        # A decent_comm call that held the Ctrl-C and failed meanwhile raises it from that error (optim/interrupts.py):
+        # typically a peer stopped first, and this rank's step waited for it. Said, not raised: the run was stopping.
+        cause = e.__cause__
+        failed = "" if cause is None else \
+            f" (the call it was held in failed meanwhile: {type(cause).__name__}: {' '.join(str(cause).split())})"
+        log.warning("interrupted%s at step %d of %d%s", by, job.progress.step, args.steps, failed)
         raise Interrupted(job.progress.step, release(job, RELEASE_TIMEOUT_S)) from None
     job.strategy.shutdown()
     close_distributed(env)

@@ -256,6 +256,35 @@ def test_sigterm_inside_a_step_is_held_as_ctrl_c_is():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_ctrl_c_in_a_step_that_then_fails_is_still_interrupted_with_exit_code_130(monkeypatch, capsys):
+    """The rank whose step held Ctrl-C while it waited for a peer that, interrupted outside its step, shut down: the
+    wait raised ExchangeError, HeldInterrupt dropped the Ctrl-C, and that rank ended in a traceback and exit code 1
+    (1 two-rank run in 8) where the others logged "interrupted at step N" and exited 130. Here step 3's block gets a
+    real SIGINT and then raises the ExchangeError such a wait raises."""
+    import decent_comm.optim.base as base
+    from decent_comm.exchange import ExchangeError
+    real, calls = base.written, [0]
+
+    def written(buckets):  # inside step()'s HeldInterrupt, once the buckets are updated and launched
+        real(buckets)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # bytecode boundaries, where Python runs signal handlers: held
+                pass
+            raise ExchangeError("rank 1 shut down")
+    monkeypatch.setattr(base, "written", written)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (restored by signal_handlers_restored)
+    with pytest.raises(SystemExit) as exit_info:
+        lm.main([*TINY, "--steps", "6", "--eval-every", "6"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130, err
+    assert calls[0] == 3, err
+    assert "WARNING decent_train.loop: interrupted at step 2 of 6 (the call it was held in failed meanwhile: " \
+        "ExchangeError: rank 1 shut down)" in err, err
+    assert "Traceback" not in err, err
+
+
 def test_a_new_lr_on_resume_scales_the_adaptive_consensus_reference():
     """--consensus adaptive resumed with --lr: the AdaptiveConsensus reference (the checkpoint's peak lr) scales with
     the lr, so the factor at the new schedule's point is the old schedule's (kept, a peak of 2e-3 under --lr 1e-4

@@ -179,3 +179,34 @@ def test_after_a_check_finite_error_every_later_call_raises_it_and_changes_nothi
         for name, said in later.items():
             assert said.startswith("decent_comm: ") and f"{name}(): unusable after an earlier check_finite error" \
                 in said and first in said, (rank, name, said)
+
+
+def _held_sigint_then(error):
+    """A HeldInterrupt block that receives a real SIGINT (Python's default handler) and then raises `error`; returns
+    what came out of it and how far the block ran."""
+    from decent_comm.optim.interrupts import HeldInterrupt
+    previous, ran = signal.signal(signal.SIGINT, signal.default_int_handler), []
+    try:
+        with HeldInterrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # bytecode boundaries, where Python runs signal handlers
+                pass
+            ran.append("after the signal")
+            raise error
+    except BaseException as e:  # noqa: BLE001 - what the block ended as is the result
+        return e, ran
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_held_in_a_call_that_fails_ends_as_keyboard_interrupt_from_the_failure():
+    """A rank inside step() holds Ctrl-C while it waits for a peer; the peer, interrupted outside step(), shuts down,
+    so the wait raises ExchangeError. HeldInterrupt dropped the held Ctrl-C when its block raised, so that rank
+    ended in an ExchangeError traceback (1 two-rank run in 8) where the others stopped as interrupted (exit 130)."""
+    failure = decent_comm.exchange.ExchangeError("rank 1 shut down")
+    out, ran = _held_sigint_then(failure)
+    assert ran == ["after the signal"]  # held: the block ran on
+    assert type(out) is KeyboardInterrupt and out.__cause__ is failure, repr(out)
+    # the block's own KeyboardInterrupt or SystemExit goes on as it is
+    for own in (KeyboardInterrupt("its own"), SystemExit(3)):
+        assert _held_sigint_then(own)[0] is own

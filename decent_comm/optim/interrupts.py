@@ -10,15 +10,20 @@ step (a step waiting for a silent peer was not interruptible anyway: the exchang
 Holding costs two signal.signal calls (9 us on a loaded 2-core machine), paid once per step and once per pre-hook mix.
 
 Only in the main thread (where signal handlers run) and while SIGINT has Python's default handler: a script's own
-handler is left as it is."""
+handler is left as it is.
+
+A block that raised an error of its own while a SIGINT was held ends as KeyboardInterrupt all the same, raised from
+that error (its __cause__): a Ctrl-C always ends as one. The error is often the Ctrl-C's own doing: a peer
+interrupted outside step() shuts down, and this rank's step, waiting for it, raised ExchangeError; the error was
+raised instead, so that rank printed a traceback where every other rank stopped as interrupted."""
 
 import signal
 import threading
 
 
 class HeldInterrupt:
-    """with HeldInterrupt(): ... -- a SIGINT received inside is raised as KeyboardInterrupt on leaving, unless the
-    block raised an exception of its own."""
+    """with HeldInterrupt(): ... -- a SIGINT received inside is raised as KeyboardInterrupt on leaving; if the block
+    raised an Exception, from that exception (module docstring)."""
 
     def __enter__(self):
         self._previous, self._received = None, False
@@ -33,6 +38,9 @@ class HeldInterrupt:
     def __exit__(self, kind, value, traceback):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-        if self._received and kind is None:
-            raise KeyboardInterrupt
+        if self._received:
+            if kind is None:
+                raise KeyboardInterrupt
+            if issubclass(kind, Exception):  # (a KeyboardInterrupt, SystemExit of the block's own goes on as it is)
+                raise KeyboardInterrupt from value
         return False
