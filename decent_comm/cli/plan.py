@@ -41,9 +41,11 @@ all-reduces cross nodes: nccl (default, GPU clusters) or gloo (CPU clusters:
 one flat ring over all ranks, 1.5x NCCL's bytes per NIC on 2 nodes x 2 ranks).
 
 Recommendation: the fastest (simulated, else closed-form) step time among
-allreduce and the topologies whose spectral gap per step is >= --gap-threshold
-(sparser graphs average slower per step, so they may need more steps to reach
-the same loss); if none reaches it, all topologies compete.  When a candidate
+the topologies whose spectral gap per step is >= --gap-threshold (sparser
+graphs average slower per step, so they may need more steps to reach the
+same loss; if none reaches it, all topologies compete), when it is more than
+5% faster than allreduce's; else allreduce (at equal speed its exact average
+is better; the time-to-loss list uses the same margin).  When a candidate
 would exceed the simulation budget (large clusters), nothing is simulated and
 the comparison is closed form.  A candidate decent_comm's optimizers would
 refuse (a mix of more than 32 buffers: complete point to point on 34+ ranks,

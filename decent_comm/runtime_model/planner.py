@@ -7,11 +7,13 @@ ranks, ``mixing.sparse_gap_per_step`` above: how much of the disagreement one
 gossip step removes; sparser graphs mix slower, so they may need more steps to
 reach the same loss even when each step is faster).
 
-**Recommendation rule.**  Among All-Reduce and the gossip candidates whose
-``gap/step >= gap_threshold`` (default 0.1; an unknown gap counts as passing),
-pick the one with the shortest step time (simulated when simulated, else
-closed form).  If no gossip candidate reaches the threshold, all of them
-compete.  All-Reduce (exact averaging, gap 1) wins when nothing beats it.
+**Recommendation rule.**  Among the gossip candidates whose ``gap/step >= gap_threshold`` (default 0.1; an
+unknown gap counts as passing), take the one with the shortest step time (simulated when simulated, else closed
+form; steps equal up to rounding, ``ROUNDING``, go to the first listed); if none reaches the threshold, all of
+them compete.  It is recommended only when its step is faster than All-Reduce's by more than
+``quality.TIE_MARGIN`` (5%): ``step x 1.05 < All-Reduce's step``, the margin by which a recipe must beat
+All-Reduce to rank ahead of it in ``Plan.quality`` (one margin for both lists).  Otherwise All-Reduce: at equal
+speed its exact average is strictly better than gossip's.
 
 **Time to quality.**  Step time is not what a user buys: ``Plan.quality`` prices recipes (All-Reduce,
 periodic averaging, and the fastest eligible one-peer topology, else gossip topology, with its mode, wire
@@ -52,7 +54,7 @@ from .gossip import make_topology, workload_step_groups
 from .loads import schedule_of
 from .mix_width import MixTooWide, check_mix_width
 from .mixing import sparse_gap_per_step
-from .quality import RECIPES, WIRE_BYTES, price, wire_bytes
+from .quality import RECIPES, TIE_MARGIN, WIRE_BYTES, price, wire_bytes
 from .simulator import SimResult, simulate, simulate_allreduce
 
 DEFAULT_TOPOLOGIES = ("one-peer-exp", "one-peer-hypercube", "exp", "ring", "aer", "aer-pair", "base-k", "torus",
@@ -67,6 +69,9 @@ MAX_SIM_WORK = 2_000_000
 #: most (2.5-7 million units per second of one core measured on 8000 ranks); if a candidate needs more,
 #: nothing is simulated and the plan is closed form
 MAX_SIM_COST = 20_000_000
+#: two step times closer than this (relative) are one number summed in a different order (1 rank: 0.11999999999999884
+#: s against 0.12000000000000004 s): the first listed candidate wins, not the rounding
+ROUNDING = 1e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,11 +215,11 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
     gossip_cands = [c for c in cands[1:] if c.gap_per_step is None or c.gap_per_step > 0]
     eligible = [c for c in gossip_cands if c.eligible] or gossip_cands
     basis = "simulated" if sims else "closed-form"
-    pool = [cands[0]] + eligible
-    best = min(pool, key=lambda c: c.best_step_seconds)
-    rule = (f"fastest {basis} step time among allreduce and the topologies with spectral gap/step >="
-            f" {gap_threshold:g}" + ("" if any(c.eligible for c in gossip_cands) or not gossip_cands
-                                     else " (none reaches it: all topologies compete)"))
+    best = _recommend(cands[0], eligible)
+    rule = (f"fastest {basis} step time among the topologies with spectral gap/step >= {gap_threshold:g}"
+            + ("" if any(c.eligible for c in gossip_cands) or not gossip_cands
+               else " (none reaches it: all topologies compete)")
+            + f", if more than {TIE_MARGIN:.0%} faster than allreduce; else allreduce")
     # The steps multipliers were measured on one-peer graphs: price the fastest of those when there is one.
     priced = [c for c in eligible if c.name.startswith("one-peer")] or eligible
     fastest_gossip = min(priced, key=lambda c: c.best_step_seconds) if priced else None
@@ -230,6 +235,19 @@ def plan(cluster, workload, topologies=None, simulate_steps: int = 500, warmup: 
                     workload.compute.forward_fraction, param_bytes=workload.param_bytes, refused=refused)
     return Plan(candidates=tuple(cands), skipped=tuple(skipped), recommended=best.name, rule=rule,
                 gap_threshold=gap_threshold, notes=tuple(notes), quality=tuple(quality))
+
+
+def _recommend(allreduce: Candidate, gossip: list) -> Candidate:
+    """The fastest of ``gossip`` (in their order: a tie up to ``ROUNDING`` keeps the first) when its step beats
+    All-Reduce's by more than ``TIE_MARGIN``, else ``allreduce``: a plain ``min`` let float rounding recommend
+    gossip on 1 rank (no communication at all) and at 1.00x, against the time-to-loss list's All-Reduce first."""
+    fastest = None
+    for c in gossip:
+        if fastest is None or c.best_step_seconds < fastest.best_step_seconds * (1.0 - ROUNDING):
+            fastest = c
+    if fastest is not None and fastest.best_step_seconds * (1.0 + TIE_MARGIN) < allreduce.best_step_seconds:
+        return fastest
+    return allreduce
 
 
 def _price_wires(cluster, workload, ar_workload, topo, notes: list) -> tuple:

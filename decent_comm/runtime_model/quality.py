@@ -26,6 +26,8 @@ from .workload import WIRE_DTYPES
 
 #: bytes per parameter on the wire of a recipe (int8: one byte plus a float32 scale per 512)
 WIRE_BYTES = {wire: float(WIRE_DTYPES[wire]) for wire in ("fp32", "bf16", "int8")}
+#: how much faster than All-Reduce something must be predicted to go ahead of it: a recipe in this list, a topology
+#: in the planner's recommendation (one margin, so the two agree on a near tie)
 TIE_MARGIN = 0.05
 WIRE_OPTION = {"fp32": None, "bf16": "comm_dtype=torch.bfloat16", "int8": "comm_dtype=torch.int8"}
 
