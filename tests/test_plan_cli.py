@@ -210,7 +210,13 @@ def test_cli_bad_input_is_one_line_and_exit_2(extra, flag, tmp_path):
 
 @pytest.mark.parametrize("extra, says", [(["--compute", "-5ms"], "must be >= 0"),
                                          (["--inter-bw", "-25Gbit"], "must be > 0"),
-                                         (["--compute", "300"], "needs a unit, e.g. 120ms")])
+                                         (["--compute", "300"], "needs a unit, e.g. 120ms"),
+                                         # "expected one argument" before: only a digit or "." after the minus
+                                         # glued a value to its flag
+                                         (["--gap-threshold", "-inf"], "expected a finite number <= 1, got '-inf'"),
+                                         (["--gap-threshold", "-nan"], "expected a finite number <= 1, got '-nan'"),
+                                         (["--gap-threshold", "-Infinity"], "got '-Infinity'"),
+                                         (["--compute", "-INFms"], "'-INFms' is not a number followed by a unit")])
 def test_cli_negative_and_unitless_values_get_their_own_message(extra, says):
     code, _, err = run_cli(EXAMPLE + extra + ["--no-sim"])
     assert code == 2 and says in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from .registry import BUILTIN_MODULES, SUBCOMMANDS, Subcommand, register
@@ -46,13 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: what follows the minus sign of a negative value: a digit or "." (-5ms, -.5), or a float spelling of infinity or
+#: NaN in any case (-inf, -Infinity, -nan, -INFms), which argparse also took for a flag
+_NEGATIVE_VALUE = re.compile(r"-(?:[0-9.]|inf|nan)", re.IGNORECASE)
+
+
 def _glued_negative_values(argv):
     """``--flag -5ms`` as ``--flag=-5ms``: argparse takes a token starting with "-" and not a plain number for a
-    flag, so a negative value with a unit got "expected one argument" instead of the flag's own range message."""
+    flag, so a negative value with a unit (or -inf, -nan) got "expected one argument" instead of the flag's own
+    range message."""
     out = []
     for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and token[:1] == "-" and token[1:2] in \
-                set("0123456789."):
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_VALUE.match(token):
             out[-1] = f"{out[-1]}={token}"
         else:
             out.append(token)
