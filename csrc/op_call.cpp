@@ -112,8 +112,9 @@ void OpCall::set_payloads(at::TensorList payloads, int64_t offset, int64_t block
               "in [4, ", kInt8MaxBlock, "] (int8_encode_'s block), got ", block);
   TORCH_CHECK(offset >= 0, op_, ": payload_offset must be >= 0, got ", offset);
   // The CUDA kernels index payloads in 32 bits (2^31 elements: an 8 GiB float32 bucket).
-  TORCH_CHECK(offset + x_.sym_numel() < (int64_t(1) << 31), op_, ": payload_offset + len(x) = ",
-              offset + x_.sym_numel(), " is 2^31 or more; split the bucket (payloads address fewer elements)");
+  // Compared without adding: offset + len(x) wrapped for an offset near 2^63 and passed both checks (a wild read).
+  TORCH_CHECK(offset < (int64_t(1) << 31) - x_.sym_numel(), op_, ": payload_offset + len(x) = ", offset, " + ",
+              x_.sym_numel(), " is 2^31 or more; split the bucket (payloads address fewer elements)");
   ops_.payloads.count = int(payloads.size());
   ops_.payloads.offset = offset;
   ops_.payloads.block = block;

@@ -25,8 +25,24 @@ def test_the_limit_is_the_kernels():
     payload = torch.zeros(ops.int8_payload_nbytes(16, 512), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=f"holds 512 elements, fewer than payload_offset \\+ len\\(x\\) = {LIMIT}"):
         ops.gossip_mix_(x, [], 0.5, [0.5], copies=[copy], payloads=[payload], payload_offset=LIMIT - 16)
-    with pytest.raises(RuntimeError, match=f"payload_offset \\+ len\\(x\\) = {LIMIT + 1} is 2\\^31 or more"):
+    with pytest.raises(RuntimeError, match=f"payload_offset \\+ len\\(x\\) = {LIMIT - 15} \\+ 16 is 2\\^31 or more"):
         ops.gossip_mix_(x, [], 0.5, [0.5], copies=[copy], payloads=[payload], payload_offset=LIMIT - 15)
+
+
+@pytest.mark.parametrize("op", ["gossip_mix_", "mix_sgd_"])
+@pytest.mark.parametrize("offset", [2 ** 63 - 1, 2 ** 63 - 16, 2 ** 62])
+def test_an_offset_near_int64s_end_is_refused_not_wrapped(op, offset):
+    """payload_offset + len(x) wrapped to a negative number for an offset near 2^63, so both checks passed and the
+    kernel read through a pointer far outside the payload (a segfault: review ED's AddressSanitizer run)."""
+    x, copy = torch.zeros(16), torch.zeros(16)
+    payload = torch.zeros(ops.int8_payload_nbytes(16, 512), dtype=torch.uint8)
+    kwargs = dict(copies=[copy], payloads=[payload], payload_offset=offset)
+    with pytest.raises(RuntimeError, match=f"payload_offset \\+ len\\(x\\) = {offset} \\+ 16 is 2\\^31 or more"):
+        if op == "gossip_mix_":
+            ops.gossip_mix_(x, [], 0.5, [0.5], **kwargs)
+        else:
+            ops.mix_sgd_(x, [], 0.5, [0.5], torch.zeros(16), torch.zeros(16), 0.1, **kwargs)
+    assert torch.equal(x, torch.zeros(16)) and torch.equal(copy, torch.zeros(16))
 
 
 def _meta(*numels, dtype=torch.float32):
