@@ -10,8 +10,9 @@ rank (mean over ranks) counted by the exchanger, evaluation excluded.
     python bench/adaptive.py --runs adaptive --reuse   # rerun only the adaptive run, reuse the others' logs
     python bench/adaptive.py --quick               # 4 ranks, 30 steps: checks the pipeline
 
-Writes bench/results/adaptive.json (config, per-run rows and summary), bench/results/adaptive.png (plot; also
-copied to docs/adaptive_results.png) and prints the markdown table.
+Writes bench/results/adaptive.json (config, per-run rows and summary), bench/results/adaptive.png (plot) and prints
+the markdown table. A full run into the default --results also copies the plot to docs/adaptive_results.png (the
+picture docs/adaptive_results.md shows); --docs-png PATH copies it there instead, whatever --results says.
 """
 
 import argparse
@@ -21,9 +22,12 @@ import os
 import shutil
 import time
 
-from lm_runs import add_run_args, run_train_lm  # bench/, this script's directory
+from bench_args import count, output_file  # bench/, this script's directory
+from lm_runs import add_run_args, run_train_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOCS_PNG = os.path.join(ROOT, "docs", "adaptive_results.png")
 log = logging.getLogger("bench.adaptive")
 
 DEFAULT_ADAPTIVE = "adaptive:consensus:one-peer-exp,exp,complete"
@@ -137,21 +141,23 @@ def plot(results, path, title):
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_file(path), dpi=110)
     plt.close(fig)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "adaptive"), help="directory of the runs' logs")
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="where the JSON and PNG go")
-    p.add_argument("--nproc", type=int, default=8, help="local ranks")
+    p.add_argument("--results", default=RESULTS, help="where the JSON and PNG go (default bench/results)")
+    p.add_argument("--docs-png", default=None, metavar="PATH",
+                   help="also copy the plot to PATH (default: docs/adaptive_results.png for a run without --quick "
+                        "into the default --results, else no copy)")
+    p.add_argument("--nproc", type=count(1), default=8, help="local ranks")
     add_run_args(p, eval_every=25)
     p.add_argument("--optimizer", default="dadamw")
     p.add_argument("--lr", type=float, default=None,
                    help="peak lr (default: train_lm's for the optimizer and world size; docs/adaptive_results.md ran 3e-3)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=count(0), default=None,
                    help="warmup steps (default: train_lm's, 30%% of --steps; docs/adaptive_results.md ran 30)")
     p.add_argument("--adaptive", default=DEFAULT_ADAPTIVE, help="--topology of the adaptive run")
     p.add_argument("--phase", default=None, help="also run this adaptive:phase:... schedule (label 'phase')")
@@ -162,6 +168,9 @@ def main(argv=None):
     p.add_argument("--reuse", action="store_true", help="reuse the logs of runs not listed in --runs")
     p.add_argument("--quick", action="store_true", help="4 ranks, 30 steps: pipeline check only")
     args = p.parse_args(argv)
+    # Only the run of the default results replaces the committed picture: a run with --results elsewhere (a
+    # second seed, a trial) overwrote it too.
+    docs_png = args.docs_png or (DOCS_PNG if not args.quick and os.path.abspath(args.results) == RESULTS else None)
     if args.quick:
         args.nproc, args.steps, args.eval_every = 4, 30, 10
         args.out, args.results = args.out + "_quick", os.path.join(args.results, "quick")
@@ -169,6 +178,8 @@ def main(argv=None):
 
     specs = run_specs(args)
     chosen = set(args.runs.split(",")) if args.runs else set(specs)
+    if chosen - set(specs):  # an unknown label ran nothing, then failed for want of the complete run
+        p.error(f"--runs: unknown {sorted(chosen - set(specs))}; the runs are {', '.join(specs)}")
     results, start, load_before = {}, time.perf_counter(), os.getloadavg()[0]
     for label, topology in specs.items():
         out_dir = os.path.join(args.out, label)
@@ -203,9 +214,10 @@ def main(argv=None):
                                 "launch_wall_s": v.get("launch_wall_s")} for k, v in results.items()}}, f, indent=1)
     png = os.path.join(args.results, f"{name}.png")
     plot(results, png, f"byte-level GPT on stdlib source, {args.nproc} ranks, {args.optimizer}")
-    if not args.quick:
-        shutil.copyfile(png, os.path.join(ROOT, "docs", "adaptive_results.png"))
-    print(f"json: {os.path.join(args.results, name + '.json')}\nplot: {png}")
+    if docs_png:
+        shutil.copyfile(png, output_file(docs_png))
+    print(f"json: {os.path.join(args.results, name + '.json')}\nplot: {png}"
+          + (f" (copied to {docs_png})" if docs_png else ""))
 
 
 if __name__ == "__main__":

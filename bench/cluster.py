@@ -40,6 +40,8 @@ import shutil
 import tempfile
 import time
 
+from bench_args import (count, decentralized_optimizer, layout, link_bandwidth, listed, loss_target,  # bench/
+                        names, number, output_file, topology_on_wire)
 from decent_train.cluster import EmulatedCluster, format_bits, parse_bandwidth_bits
 from decent_train.flag_sets import extra_flags_for
 
@@ -65,11 +67,6 @@ WORKLOAD_DEFAULTS = {
     # compute is a few ms, so 10 Mbit/s makes it communication-bound as the LM is at 50.
     "digits": {"script_flags": ["--batch-size", "16"], "comm_bw": "10Mbit"},
 }
-
-
-def layout(text: str):
-    n, m = text.lower().split("x")
-    return int(n), int(m)
 
 
 # --------------------------------------------------------------------------------------------- the jobs
@@ -320,44 +317,42 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="synthetic workload, 4x1, topologies one-peer-exp, aer, ring, 30 steps (~3 min)")
-    p.add_argument("--workloads", default="synthetic,lm", help="comma-separated: synthetic, lm, digits")
-    p.add_argument("--layouts", default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
-    p.add_argument("--topologies", default=None,
+    p.add_argument("--workloads", type=names(list(WORKLOAD_DEFAULTS)), default="synthetic,lm",
+                   help="comma-separated: synthetic, lm, digits")
+    p.add_argument("--layouts", type=listed(layout), default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
+    p.add_argument("--topologies", type=listed(topology_on_wire(WIRE_FLAGS)), default=None,
                    help="decentralized topologies to run (default one-peer-exp,aer,ring,exp; --quick: without exp); "
                    "NAME:int8 or NAME:bf16 runs NAME over that wire")
-    p.add_argument("--optimizer", default="dadamw", help="decentralized optimizer (examples' --optimizer name)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; --quick 30)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluation interval (default steps / 6)")
-    p.add_argument("--comm-bw", default=None,
+    p.add_argument("--optimizer", type=decentralized_optimizer, default="dadamw",
+                   help="decentralized optimizer (examples' --optimizer name)")
+    p.add_argument("--steps", type=count(1), default=None, help="steps per run (default 60; --quick 30)")
+    p.add_argument("--eval-every", type=count(1), default=None, help="evaluation interval (default steps / 6)")
+    p.add_argument("--comm-bw", type=link_bandwidth, default=None,
                    help="link bandwidth of the comm-bound phase (default: synthetic 50Mbit, lm 50Mbit)")
-    p.add_argument("--compute-bw", default=None, help="link bandwidth of the compute-bound phases (default: unshaped)")
-    p.add_argument("--straggler-std", type=float, default=0.3, help="straggler std as a fraction of the mean compute (0: no straggler phase)")
+    p.add_argument("--compute-bw", type=link_bandwidth, default=None,
+                   help="link bandwidth of the compute-bound phases (default: unshaped)")
+    p.add_argument("--straggler-std", type=number(0.0), default=0.3,
+                   help="straggler std as a fraction of the mean compute (0: no straggler phase)")
     p.add_argument("--skip-compute-bound", action="store_true", help="comm-bound phase only")
-    p.add_argument("--target", default="worst",
+    p.add_argument("--target", type=loss_target, default="worst",
                    help="target validation loss: 'worst' (highest final loss of the phase's runs), 'ddp' (DDP's final "
                         "loss x 1.02) or a number")
-    p.add_argument("--probe-steps", type=int, default=12, help="steps of the compute probe")
+    p.add_argument("--probe-steps", type=count(1), default=12, help="steps of the compute probe")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun job")
+    p.add_argument("--timeout", type=number(0.0, strictly=True), default=1800, help="seconds per torchrun job")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static", help="torchrun rendezvous")
     p.add_argument("--out", default=None, help="result prefix (default bench/results/cluster[_quick])")
     p.add_argument("--keep-logs", action="store_true", help="keep the per-run logs (printed directory)")
     p.add_argument("extra_flags", nargs="*", help="after --: flags passed to every training run")
     args = p.parse_args(argv)
+    # the types above refuse 0 for --steps / --eval-every: `or` only fills in an absent flag's default
     if args.quick:
-        args.workloads, args.layouts = "synthetic", "4x1"
-        args.topologies = args.topologies or "one-peer-exp,aer,ring"
+        args.workloads, args.layouts = ["synthetic"], [(4, 1)]
+        args.topologies = args.topologies or ["one-peer-exp", "aer", "ring"]
         args.steps = args.steps or 30
     args.steps = args.steps or 60
-    args.topologies = args.topologies or "one-peer-exp,aer,ring,exp"
+    args.topologies = args.topologies or ["one-peer-exp", "aer", "ring", "exp"]
     args.eval_every = args.eval_every or max(1, args.steps // 6)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.layouts = [layout(x) for x in args.layouts.split(",") if x]
-    args.topologies = [t for t in args.topologies.split(",") if t]
-    for t in args.topologies:
-        if t.partition(":")[2] not in WIRE_FLAGS:
-            raise SystemExit(f"cluster.py: --topologies {t}: the wire after ':' must be one of "
-                             f"{', '.join(w for w in WIRE_FLAGS if w)}")
     args.out = args.out or os.path.join(HERE, "results", "cluster_quick" if args.quick else "cluster")
     return args
 
@@ -384,9 +379,8 @@ def main(argv=None):
     text = (f"bench/cluster.py{' --quick' if args.quick else ''}: {args.steps} steps per run, {os.cpu_count()} CPU "
             f"cores, total {time.perf_counter() - t0:.0f} s\n" + report(jobs))
     print("\n" + text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     slim = [{k: v for k, v in j.items() if k != "plan"} for j in jobs]
-    with open(args.out + ".json", "w") as f:
+    with open(output_file(args.out + ".json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "report": text, "jobs": slim}, f, indent=1,
                   default=str)
     plot(jobs, args.out + ".png")

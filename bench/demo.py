@@ -29,6 +29,7 @@ import os
 import time
 
 import time_to_target  # bench/, this script's directory
+from bench_args import count, even_ranks
 from decent_comm.optim import MODES
 from decent_train.cluster.net import netns_unavailable_reason
 from decent_train.plot import plot_runs
@@ -84,9 +85,9 @@ def table(results) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"), help="directory for logs, table and plot")
-    p.add_argument("--nproc", type=int, default=4, help="local ranks (aer's 2 emulated nodes need an even count)")
+    p.add_argument("--nproc", type=even_ranks, default=4, help="local ranks (aer's 2 emulated nodes need an even count)")
     add_run_args(p, eval_every=50)
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps of every run (default: 30%% of --steps)")
+    p.add_argument("--warmup", type=count(0), default=None, help="warmup steps of every run (default: 30%% of --steps)")
     p.add_argument("--lr", type=float, default=3e-3,
                    help="peak lr of the allreduce (AdamW) run; the decentralized runs scale it (see above)")
     p.add_argument("--mode", choices=MODES, default="atc", help="mode of the decentralized runs")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_args import collect, count, listed, number, output_file  # bench/, this script's directory
 from decent_comm import topology as T
 from decent_comm.exchange import Exchanger
 
@@ -115,7 +116,7 @@ def run_world(world_size, sizes_mb, reps):
              for r in range(world_size)]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=3600)
+    rows = collect(queue, procs, "bench/exchange.py")
     for p in procs:
         p.join(timeout=60)
     return rows
@@ -177,9 +178,10 @@ def nccl_self(reps, inner=10, sizes=(1 << 24, 1 << 26)):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 and 4 ranks, 1 and 25 MB, 5 repetitions (< 1 min)")
-    ap.add_argument("--world-sizes", default=None, help="comma-separated (default 2,4,8)")
-    ap.add_argument("--sizes-mb", default=None, help="comma-separated buffer sizes in MB (default 1,25,100)")
-    ap.add_argument("--reps", type=int, default=None,
+    ap.add_argument("--world-sizes", type=listed(count(2)), default=None, help="comma-separated (default 2,4,8)")
+    ap.add_argument("--sizes-mb", type=listed(number(0.0, strictly=True)), default=None,
+                    help="comma-separated buffer sizes in MB (default 1,25,100)")
+    ap.add_argument("--reps", type=count(1), default=None,
                     help="repetitions per candidate (default 9; 4x that for buffers <= 1 MB)")
     ap.add_argument("--json", default=None, help="output (default bench/results/exchange_cpu[_quick].json, "
                                                   "exchange_nccl_self.json)")
@@ -193,13 +195,12 @@ def main():
         for r in out["rows"]:
             print(f"| | {r['numel'] >> 20}M | {r['wire']} | {r['gbps']:.0f} | {100 * r['gbps'] / out['copy_gbps']:.0f}% |")
         path = args.json or os.path.join(results, "exchange_nccl_self.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(output_file(path), "w") as f:
             json.dump(out, f, indent=1)
         return
-    world_sizes = [int(w) for w in (args.world_sizes or ("2,4" if args.quick else "2,4,8")).split(",")]
-    sizes_mb = [float(s) for s in (args.sizes_mb or ("1,25" if args.quick else "1,25,100")).split(",")]
-    reps = args.reps or (5 if args.quick else 9)
+    world_sizes = args.world_sizes or ([2, 4] if args.quick else [2, 4, 8])
+    sizes_mb = args.sizes_mb or ([1.0, 25.0] if args.quick else [1.0, 25.0, 100.0])
+    reps = args.reps or (5 if args.quick else 9)  # --reps 0 is refused above: `or` only fills the default
 
     rows = []
     for ws in world_sizes:
@@ -208,8 +209,7 @@ def main():
         print(f"[bench/exchange] {ws} ranks done in {time.time() - t0:.0f} s", file=sys.stderr)
     print(table(rows))
     path = args.json or os.path.join(results, f"exchange_cpu{'_quick' if args.quick else ''}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(output_file(path), "w") as f:
         json.dump(dict(torch=torch.__version__, machine=platform.processor() or platform.machine(),
                        cpus=os.cpu_count(), load_avg=os.getloadavg(), reps=reps, rows=rows), f, indent=1)
     print(f"wrote {path}", file=sys.stderr)

@@ -35,6 +35,9 @@ import sys
 import tempfile
 import time
 
+from bench_args import count, names, number  # bench/, this script's directory
+from exit_user_script import VARIANTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_SCRIPT = os.path.join(ROOT, "bench", "exit_user_script.py")
 TRAIN_LM = os.path.join(ROOT, "examples", "train_lm.py")
@@ -52,6 +55,9 @@ def user_job(variant: str, nproc: int, steps: int):
     # interactive: the script under python -i (its REPL then reads the end of its input, stdin being closed)
     launch = ["--no-python", sys.executable, "-i", USER_SCRIPT] if variant == "interactive" else [USER_SCRIPT]
     return nproc, [*launch, variant, "--steps", str(steps)]
+
+
+LM_VARIANTS = ("lm-allreduce", "lm-dadamw")
 
 
 def lm_job(variant: str, steps: int):
@@ -110,24 +116,27 @@ def load() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", type=int, default=100, help="user-script jobs in all (variants take turns)")
-    p.add_argument("--lm-jobs", type=int, default=30, help="train_lm jobs in all (allreduce and dadamw take turns)")
-    p.add_argument("--variants", default="none,global,average,shutdown,both,ddp", help="user-script variants, comma-separated")
-    p.add_argument("--lm-variants", default="lm-allreduce,lm-dadamw")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of a user-script job")
-    p.add_argument("--steps", type=int, default=5, help="steps of a user-script job")
-    p.add_argument("--lm-steps", type=int, default=6, help="steps of a train_lm job")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before a job counts as hung")
+    p.add_argument("--jobs", type=count(0), default=100, help="user-script jobs in all (variants take turns)")
+    p.add_argument("--lm-jobs", type=count(0), default=30, help="train_lm jobs in all (allreduce and dadamw take turns)")
+    p.add_argument("--variants", default="none,global,average,shutdown,both,ddp", type=names(VARIANTS),
+                   help=f"user-script variants, comma-separated ({', '.join(VARIANTS)})")
+    p.add_argument("--lm-variants", type=names(LM_VARIANTS), default=",".join(LM_VARIANTS))
+    p.add_argument("--nproc", type=count(1), default=2, help="ranks of a user-script job")
+    p.add_argument("--steps", type=count(1), default=5, help="steps of a user-script job")
+    p.add_argument("--lm-steps", type=count(1), default=6, help="steps of a train_lm job")
+    p.add_argument("--timeout", type=number(0.0, strictly=True), default=600,
+                   help="seconds before a job counts as hung")
     p.add_argument("--log-dir", default=None, help="where failing jobs' output is kept (default: a new temp dir)")
     p.add_argument("--cores", action="store_true", help="unlimited core size; keep failing jobs' directories")
     args = p.parse_args(argv)
+    if args.jobs + args.lm_jobs == 0:  # passed, having run nothing
+        p.error("--jobs 0 and --lm-jobs 0: no job to run")
 
-    variants = [v for v in args.variants.split(",") if v]
-    lm_variants = [v for v in args.lm_variants.split(",") if v]
+    variants, lm_variants = args.variants, args.lm_variants
     user = [(variants[i % len(variants)], user_job(variants[i % len(variants)], args.nproc, args.steps))
-            for i in range(args.jobs if variants else 0)]
+            for i in range(args.jobs)]
     lm = [(lm_variants[i % len(lm_variants)], lm_job(lm_variants[i % len(lm_variants)], args.lm_steps))
-          for i in range(args.lm_jobs if lm_variants else 0)]
+          for i in range(args.lm_jobs)]
     # train_lm jobs spread evenly among the user-script jobs: every part of the run sees every kind of job
     plan = [job for _, job in sorted([((i + 0.5) / len(user), j) for i, j in enumerate(user)] +
                                      [((i + 0.5) / len(lm), j) for i, j in enumerate(lm)], key=lambda x: x[0])]

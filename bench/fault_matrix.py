@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from bench_args import names, output_file  # bench/, this script's directory
 from decent_train import REPO_ROOT
 from decent_train.faults.launch import launch
 from decent_train.faults.verdict import judge, summarize
@@ -83,26 +84,16 @@ def _as_verdict(c):
                    c["hung"], c["problems"])
 
 
-def _names(allowed):
-    """argparse type: a comma list of names from `allowed` (a typo ran a job that judged nothing)."""
-    def parse(text):
-        names = [n for n in text.split(",") if n]
-        unknown = [n for n in names if n not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {unknown or 'empty list'}; choose from {','.join(allowed)}")
-        return names
-    return parse
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=float, default=5.0, help="the optimizers' timeout= (s)")
-    parser.add_argument("--scenarios", type=_names(SCENARIOS + ["nan-unchecked"]),
+    parser.add_argument("--scenarios", type=names(SCENARIOS + ["nan-unchecked"]),
                         default=",".join(SCENARIOS + ["nan-unchecked"]), help="comma list of %(default)s")
-    parser.add_argument("--paths", type=_names(["p2p", "group"]), default="p2p,group", help="comma list of %(default)s")
-    parser.add_argument("--modes", type=_names(["awc", "atc"]), default="awc,atc", help="comma list of %(default)s")
+    parser.add_argument("--paths", type=names(["p2p", "group"]), default="p2p,group", help="comma list of %(default)s")
+    parser.add_argument("--modes", type=names(["awc", "atc"]), default="awc,atc", help="comma list of %(default)s")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a job may take before it is killed")
-    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "fault_matrix"))
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "fault_matrix"),
+                        help="result prefix: PREFIX.json and PREFIX.md (default bench/results/fault_matrix)")
     args = parser.parse_args()
     cells = []
     load_at_start = os.getloadavg()[0]
@@ -120,8 +111,7 @@ def main():
     text += (f"\n\n{len(cells)} jobs in {total:.0f} s (load average: {load_at_start:.1f} at the start, "
              f"{os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs)")
     print("\n" + text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
+    with open(output_file(args.out + ".json"), "w") as f:
         json.dump(dict(timeout=args.timeout, cells=cells, wall_s=total), f, indent=1, default=str)
     with open(args.out + ".md", "w") as f:
         f.write(text + "\n")

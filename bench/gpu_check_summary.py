@@ -71,7 +71,7 @@ def load(path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--junit", nargs="+", default=[])
     ap.add_argument("--mix", default=None)
     ap.add_argument("--exchange", default=None)

@@ -21,6 +21,7 @@ import platform
 import torch
 
 import mix_kernels as mk
+from bench_args import count, device_name, elements, listed, output_file  # bench/, this script's directory
 from decent_comm import _native, ops
 
 BLOCK = 512
@@ -73,15 +74,20 @@ def bench(device, sizes, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sizes", default="1M,4M,16M,64M", help="comma-separated element counts, M = 2^20")
-    ap.add_argument("--threads", default="1,2", help="CPU thread counts to run at")
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda where torch sees a GPU, else cpu)")
+    ap.add_argument("--sizes", type=listed(elements), default="1M,4M,16M,64M",
+                    help="comma-separated element counts, M = 2^20 (default %(default)s)")
+    ap.add_argument("--threads", type=listed(count(1)), default="1,2",
+                    help="CPU thread counts to run at (default %(default)s)")
+    ap.add_argument("--repeats", type=count(1), default=None,
+                    help="timed rounds per row; the median counts (default 7 on cpu, 50 on cuda)")
+    ap.add_argument("--inner", type=count(1), default=None, help="back-to-back calls per timing on CUDA (default 10)")
+    ap.add_argument("--json", default=None,
+                    help="where to write the results (default bench/results/int8_codec_<device>.json)")
     args = ap.parse_args()
-    sizes = [int(float(v.rstrip("M")) * 2**20) if v.endswith("M") else int(v) for v in args.sizes.split(",")]
+    sizes = args.sizes
     mk.INNER = args.inner or (10 if args.device == "cuda" else 1)
     repeats = args.repeats or (7 if args.device == "cpu" else 50)
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
@@ -90,13 +96,12 @@ def main():
     print("| op     |   size | threads | GB/s | roofline | vs torch ops |")
     print("|--------|--------|---|--------|----------|--------------|")
     rows = []
-    for threads in ([int(t) for t in args.threads.split(",")] if args.device == "cpu" else [torch.get_num_threads()]):
+    for threads in (args.threads if args.device == "cpu" else [torch.get_num_threads()]):
         torch.set_num_threads(threads)
         rows += bench(args.device, sizes, repeats)
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                      f"int8_codec_{args.device}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(output_file(path), "w") as f:
         json.dump(dict(device=args.device, device_name=name, torch=torch.__version__,
                        isa=_native.cpu_isa(), rows=rows), f, indent=1)
     print(f"wrote {path}")

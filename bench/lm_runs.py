@@ -9,6 +9,7 @@ import sys
 import time
 
 import decent_comm
+from bench_args import count  # bench/, this script's directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,12 +32,12 @@ def decentralized_adam_flags(allreduce_lr: float, nproc: int, accum_steps=None, 
 
 def add_run_args(parser, eval_every: int):
     """The flags run_train_lm passes to every run of a comparison (model, data, steps, evaluation, seed)."""
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
-    parser.add_argument("--eval-every", type=int, default=eval_every, help="validation interval")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--d-model", type=int, default=128, help="model width")
-    parser.add_argument("--seq-len", type=int, default=64, help="context length")
-    parser.add_argument("--batch-size", type=int, default=16, help="batch per rank")
+    parser.add_argument("--steps", type=count(1), default=300, help="optimizer steps per run")
+    parser.add_argument("--eval-every", type=count(1), default=eval_every, help="validation interval")
+    parser.add_argument("--layers", type=count(1), default=2, help="transformer blocks")
+    parser.add_argument("--d-model", type=count(1), default=128, help="model width")
+    parser.add_argument("--seq-len", type=count(1), default=64, help="context length")
+    parser.add_argument("--batch-size", type=count(1), default=16, help="batch per rank")
     parser.add_argument("--seed", type=int, default=0, help="seed shared by every run")
 
 

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from bench_args import count, device_name, elements, listed, output_file  # bench/, this script's directory
 from decent_comm import _native, ops
 from decent_comm.optim.flat_memory import flat_buffer
 
@@ -306,25 +307,26 @@ def format_row(r):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda where torch sees a GPU, else cpu)")
     ap.add_argument("--quick", action="store_true", help="two sizes, k = 1, 2 (about a minute on 2 CPU cores)")
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--sizes", default=None, help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
-    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timing on CUDA (default 10)")
+    ap.add_argument("--repeats", type=count(1), default=None,
+                    help="timed rounds per row; the median counts (default 5 on cpu, 50 on cuda)")
+    ap.add_argument("--sizes", type=listed(elements), default=None,
+                    help="comma-separated element counts, M = 2^20 (e.g. 16M,64M)")
+    ap.add_argument("--inner", type=count(1), default=None, help="back-to-back calls per timing on CUDA (default 10)")
     ap.add_argument("--json", default=None, help="where to write results (default bench/results/mix_kernels_<device>.json)")
     ap.add_argument("--only", default=None, help="comma-separated parts to run: mix,adam,sgd,int8 (default: all)")
     ap.add_argument("--layout", choices=["optimizer", "separate"], default="optimizer",
                     help="where our ops' operands lie (see the module doc)")
-    ap.add_argument("--threads", default=None, help="CPU: comma-separated thread counts to run every row at (default: "
+    ap.add_argument("--threads", type=listed(count(1)), default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else {"mix", "adam", "sgd", "int8"}
     if not only <= {"mix", "adam", "sgd", "int8"}:  # an unknown part ran nothing and wrote an empty table
         ap.error(f"--only: unknown part(s) {sorted(only - {'mix', 'adam', 'sgd', 'int8'})}; choose from mix,adam,sgd,int8")
 
-    sizes = [2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26]
-    if args.sizes:
-        sizes = [int(float(v.rstrip("M")) * 2**20) if v.endswith("M") else int(v) for v in args.sizes.split(",")]
+    sizes = args.sizes or ([2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26])
     global INNER, LAYOUT
     INNER = args.inner or (10 if args.device == "cuda" else 1)
     LAYOUT = args.layout
@@ -336,11 +338,11 @@ def main():
           f"{_native.cpu_isa()} (DECENT_COMM_CPU_ISA picks a lower one); operands: --layout {LAYOUT}")
     print("speedup = baseline time / our time; roofline = same-shape in-place torch kernel (k=1: add_, k=2: "
           "addcmul_), else the best of copy_/add_/addcmul_")
-    threads = [int(t) for t in args.threads.split(",")] if args.threads and args.device == "cpu" else [None]
+    threads = args.threads if args.threads and args.device == "cpu" else [None]
     rows = []
-    for count in threads:
-        if count is not None:
-            torch.set_num_threads(count)
+    for n_threads in threads:
+        if n_threads is not None:
+            torch.set_num_threads(n_threads)
         print(f"\nthreads {torch.get_num_threads()}")
         print("| op           |  size | k | neighbor | GB/s   | roofline | speedup vs baselines |")
         print("|--------------|-------|---|----------|--------|----------|----------------------|")
@@ -356,8 +358,7 @@ def main():
         rows += part
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                      f"mix_kernels_{args.device}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(output_file(path), "w") as f:
         json.dump(dict(device=args.device, torch=torch.__version__, cpu_isa=_native.cpu_isa(),
                        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), layout=LAYOUT, rows=rows), f, indent=1)
     print(f"wrote {path}")

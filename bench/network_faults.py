@@ -33,6 +33,7 @@ import tempfile
 import time
 from typing import List, Optional
 
+from bench_args import output_file  # bench/, this script's directory
 from decent_train import REPO_ROOT
 from decent_train.cluster import EmulatedCluster
 
@@ -250,7 +251,7 @@ def markdown(judged: List[dict], args, wall: float) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} (about 2 min)")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: the whole matrix)")
     p.add_argument("--timeout", type=float, default=10.0, help="the optimizer's (DDP: the process group's) timeout")
@@ -273,7 +274,7 @@ def main(argv=None):
     cells.sort(key=lambda c: c.expect != "baseline")
     out = args.out or os.path.join(REPO_ROOT, "bench", "results", "network_faults_quick" if args.quick else
                                    "network_faults")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    output_file(out + ".json")  # its directory, made before the cells run
     work = tempfile.mkdtemp(prefix="network_faults_")
     judged, baselines, started = [], {}, time.time()
     for cell in cells:

@@ -19,7 +19,7 @@ import time
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--opt", choices=["dadamw", "dsgd", "ddp"], default="dadamw")
     p.add_argument("--mode", choices=["awc", "atc"], default="awc")
     p.add_argument("--topo", choices=["ring", "complete"], default="ring")

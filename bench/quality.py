@@ -28,8 +28,9 @@ import json
 import logging
 import os
 
+from bench_args import count, even_ranks, listed, names  # bench/, this script's directory
 from decent_comm.optim import MODES
-from demo import table  # bench/, this script's directory
+from demo import table
 from lm_runs import add_run_args, decentralized_adam_flags, run_train_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,46 +70,36 @@ def wire_gaps(results, wires):
     return lines
 
 
-def choice_list(parser, flag: str, value: str, allowed):
-    """The comma-separated items of `value`; a parser error names any that is not in `allowed`."""
-    items = [v for v in value.split(",") if v]
-    for v in items:
-        if v not in allowed:
-            parser.error(f"{flag}: {v!r} is not one of {', '.join(allowed)}")
-    return items
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "quality"), help="directory for logs and tables")
-    p.add_argument("--nprocs", default="4,8", help="comma-separated world sizes (even: aer pairs ranks into nodes)")
+    p.add_argument("--nprocs", type=listed(even_ranks), default="4,8",
+                   help="comma-separated world sizes (even: aer pairs ranks into nodes)")
     add_run_args(p, eval_every=50)
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 30%% of --steps)")
+    p.add_argument("--warmup", type=count(0), default=None, help="warmup steps (default: 30%% of --steps)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr of the all-reduce AdamW baseline")
     p.add_argument("--lr-rule", choices=("sqrt", "none"), default="sqrt",
                    help="decentralized Adam-family lr: sqrt(n) x --lr, or --lr itself")
-    p.add_argument("--accum-steps", type=int, default=4, help="AccumAdamW's accumulation window")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="decentralized optimizers to run")
-    p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="topologies to run them on")
-    p.add_argument("--modes", default="atc,awc", help=f"decentralized modes to run each in ({', '.join(MODES)})")
-    p.add_argument("--wires", default="fp32", help=f"wires to run each decentralized run over ({', '.join(WIRES)}); "
+    p.add_argument("--accum-steps", type=count(1), default=4, help="AccumAdamW's accumulation window")
+    p.add_argument("--optimizers", type=names(OPTIMIZERS), default=",".join(OPTIMIZERS),
+                   help="decentralized optimizers to run")
+    p.add_argument("--topologies", type=names(list(TOPOLOGIES)), default=",".join(TOPOLOGIES),
+                   help="topologies to run them on")
+    p.add_argument("--modes", type=names(MODES), default="atc,awc",
+                   help=f"decentralized modes to run each in ({', '.join(MODES)})")
+    p.add_argument("--wires", type=names(list(WIRES)), default="fp32",
+                   help=f"wires to run each decentralized run over ({', '.join(WIRES)}); "
                    "a narrower one is also compared with the fp32 run")
     p.add_argument("--quick", action="store_true", help="30 steps at 4 ranks, for checking the pipeline only")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.eval_every, args.nprocs = 30, 15, "4"
+        args.steps, args.eval_every, args.nprocs = 30, 15, [4]
     if args.warmup is None:
         args.warmup = max(1, args.steps * 3 // 10)
-    args.optimizers = [o for o in args.optimizers.split(",") if o]
-    args.topologies = choice_list(p, "--topologies", args.topologies, TOPOLOGIES)
-    args.modes = choice_list(p, "--modes", args.modes, MODES)
-    args.wires = choice_list(p, "--wires", args.wires, WIRES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s quality: %(message)s", datefmt="%H:%M:%S")
 
     sections, summary = [], {}
-    for nproc in (int(v) for v in args.nprocs.split(",")):
-        if nproc < 2 or nproc % 2:
-            p.error(f"--nprocs: {nproc} must be even and >= 2 (aer pairs ranks into nodes)")
+    for nproc in args.nprocs:
         args.nproc = nproc
         results = []
         for i, (label, flags) in enumerate(runs(args, nproc)):

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_args import collect, count, listed, names, output_file  # bench/, this script's directory
+
 CANDIDATES = ["ddp", "ours-awc", "ours-atc", "python-dec", "local"]
 
 
@@ -85,7 +87,9 @@ def build(candidate, model, rank, world):
         return model, opt
     if candidate == "python-dec":
         return model, PythonDecentralized(model, rank, world)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    if candidate == "local":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    raise ValueError(f"unknown candidate {candidate!r}; choose from {', '.join(CANDIDATES)}")  # was timed as local
 
 
 def run_rank(rank, world, port, args, queue):
@@ -130,41 +134,43 @@ def free_port():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-sizes", default="1,4")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--candidates", default=",".join(CANDIDATES))
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step.json"))
+    ap.add_argument("--world-sizes", type=listed(count(1)), default="1,4", help="comma-separated (default %(default)s)")
+    ap.add_argument("--layers", type=count(1), default=6, help="the MLP's Linear+GELU layers (default %(default)s)")
+    ap.add_argument("--width", type=count(1), default=1024, help="their width (default %(default)s)")
+    ap.add_argument("--batch", type=count(1), default=32, help="batch per rank (default %(default)s)")
+    ap.add_argument("--steps", type=count(1), default=15, help="timed steps (default %(default)s)")
+    ap.add_argument("--warmup", type=count(0), default=3, help="untimed steps first (default %(default)s)")
+    ap.add_argument("--candidates", type=names(CANDIDATES), default=",".join(CANDIDATES),
+                    help="comma list of %(default)s; ratios are to ddp when it is listed")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step.json"),
+                    help="where to write the results (default bench/results/step.json)")
     args = ap.parse_args()
-    args.candidates = args.candidates.split(",")
     params = args.layers * (args.width * args.width + args.width)
     print(f"MLP {args.layers}x{args.width} ({params / 1e6:.1f}M params), batch {args.batch}, {args.steps} timed steps, "
           f"gloo on loopback, 1 thread per rank, {os.cpu_count()} cores")
     print("| world | " + " | ".join(args.candidates) + " |")
     print("|---" * (len(args.candidates) + 1) + "|")
     all_rows = {}
-    for world in [int(w) for w in args.world_sizes.split(",")]:
+    for world in args.world_sizes:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=run_rank, args=(r, world, port, args, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        res = queue.get(timeout=3600)
+        res = collect(queue, procs, "bench/step.py")
         for p in procs:
             p.join()
         all_rows[world] = res
-        ddp = res["ddp"]
-        cells = [f"{res[c] * 1e3:.0f} ms ({res[c] / ddp:.2f}x)" if c in res else "-" for c in args.candidates]
+        ddp = res.get("ddp")  # without ddp in --candidates: times only
+        cells = [f"{res[c] * 1e3:.0f} ms" + (f" ({res[c] / ddp:.2f}x)" if ddp else "") if c in res else "-"
+                 for c in args.candidates]
         print(f"| {world} | " + " | ".join(cells) + " |", flush=True)
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
+    with open(output_file(args.json), "w") as f:
         json.dump(dict(layers=args.layers, width=args.width, batch=args.batch, params=params, seconds=all_rows), f,
                   indent=1)
-    print("ratios are step time / DDP step time (lower is faster); wrote", args.json)
+    print(("ratios are step time / DDP step time (lower is faster); " if "ddp" in args.candidates else "") +
+          "wrote", args.json)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 import torch
 
 import decent_comm
+from bench_args import count, listed, names, output_file  # bench/, this script's directory
 
 OPTIMIZERS = {  # name: (family, factory)
     "torch.AdamW(fused)": ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
@@ -64,20 +65,28 @@ def run(n: int, size: int, mode: str, rounds: int) -> dict:
     return rows
 
 
+def shape(text):
+    """argparse type: NxSIZE, N tensors of SIZE elements, both >= 1."""
+    n, x, size = text.partition("x")
+    if not x:
+        raise argparse.ArgumentTypeError("expected NxSIZE, e.g. 200x4096")
+    return count(1)(n), count(1)(size)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="200x4096,2000x16,1x16777216")
-    ap.add_argument("--modes", default="keep,fresh")
-    ap.add_argument("--rounds", type=int, default=40, help="rounds per shape (the 16M shape takes a fifth)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", type=listed(shape), default="200x4096,2000x16,1x16777216",
+                    help="comma list of NxSIZE: N tensors of SIZE elements (default %(default)s)")
+    ap.add_argument("--modes", type=names(["keep", "fresh"]), default="keep,fresh", help="comma list of %(default)s")
+    ap.add_argument("--rounds", type=count(1), default=40, help="rounds per shape (the 16M shape takes a fifth)")
+    ap.add_argument("--threads", type=count(1), default=1, help="torch threads (default %(default)s)")
+    ap.add_argument("--json", default=None, help="also write the results here (default: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
-    for shape in args.shapes.split(","):
-        n, size = map(int, shape.split("x"))
+    for n, size in args.shapes:
         rounds = args.rounds if n * size < 2**22 else max(3, args.rounds // 5)
-        for mode in args.modes.split(","):
+        for mode in args.modes:
             rows = run(n, size, mode, rounds)
             results.append(dict(n=n, size=size, mode=mode, rounds=rounds, rows=rows))
             print(f"\n{n} x {size}, .grad {mode}, {rounds} rounds: step() thread CPU time (min), ratio to torch's "
@@ -85,7 +94,7 @@ def main():
             for name, r in rows.items():
                 print(f"  {name:26s} {r['us']:10.0f} us   x{r['vs_fused']:5.2f}  x{r['vs_foreach']:5.2f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(output_file(args.json), "w") as f:
             json.dump(dict(torch=torch.__version__, threads=args.threads, results=results), f, indent=1)
 
 

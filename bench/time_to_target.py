@@ -33,7 +33,8 @@ import tempfile
 import time
 
 import ttt_configs
-from cluster import WORKLOAD_DEFAULTS, layout, mean_step_s, run_job, time_to_loss  # bench/, this directory
+from bench_args import count, layout, link_bandwidth, listed, names, number, output_file  # bench/, as is cluster
+from cluster import WORKLOAD_DEFAULTS, mean_step_s, run_job, time_to_loss
 from decent_train.cluster import format_bits, parse_bandwidth_bits
 from decent_train.flag_sets import extra_flags_for
 
@@ -223,33 +224,29 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"smoke run: 4x1, comm-bound, {QUICK_CONFIGS}")
     p.add_argument("--workload", default="lm", choices=sorted(WORKLOAD_DEFAULTS), help="what trains")
-    p.add_argument("--layouts", default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
-    p.add_argument("--links", default="comm", help="comma-separated phases: comm (--comm-bw), compute (unshaped)")
+    p.add_argument("--layouts", type=listed(layout), default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
+    p.add_argument("--links", type=names(["comm", "compute"]), default="comm",
+                   help="comma-separated phases: comm (--comm-bw), compute (unshaped)")
     p.add_argument("--configs", default=None, help=f"';'-separated specs (bench/ttt_configs.py; default {DEFAULT_CONFIGS})")
-    p.add_argument("--steps", type=int, default=300, help="steps of a config without s<N>")
+    p.add_argument("--steps", type=count(1), default=300, help="steps of a config without s<N>")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (each config runs once per seed)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluation interval in steps (default 25; --quick 10)")
+    p.add_argument("--eval-every", type=count(1), default=None, help="evaluation interval in steps (default 25; --quick 10)")
     p.add_argument("--target", type=float, default=None, help="target validation loss (default: DDP's final x factor)")
     p.add_argument("--target-factor", type=float, default=1.02, help="target = DDP's final loss x this (default 1.02)")
-    p.add_argument("--comm-bw", default=None, help="links of the comm phase (default: the workload's, lm 50Mbit)")
-    p.add_argument("--compute-bw", default=None, help="links of the compute phase (default: unshaped)")
-    p.add_argument("--probe-steps", type=int, default=12, help="steps of the compute probe")
-    p.add_argument("--timeout", type=float, default=7200, help="seconds per torchrun job")
+    p.add_argument("--comm-bw", type=link_bandwidth, default=None, help="links of the comm phase (default: the workload's, lm 50Mbit)")
+    p.add_argument("--compute-bw", type=link_bandwidth, default=None, help="links of the compute phase (default: unshaped)")
+    p.add_argument("--probe-steps", type=count(1), default=12, help="steps of the compute probe")
+    p.add_argument("--timeout", type=number(0.0, strictly=True), default=7200, help="seconds per torchrun job")
     p.add_argument("--out", default=None, help="result prefix (default bench/results/time_to_target[_quick])")
     p.add_argument("--keep-logs", action="store_true", help="keep the per-run logs (printed directory)")
     p.add_argument("extra_flags", nargs="*", help="after --: flags passed to every training run")
     args = p.parse_args(argv)
     if args.quick:
-        args.layouts, args.links = "4x1", "comm"
+        args.layouts, args.links = [(4, 1)], ["comm"]
         args.configs = args.configs or QUICK_CONFIGS
         args.eval_every = args.eval_every or 10
-    args.eval_every = args.eval_every or 25
+    args.eval_every = args.eval_every or 25  # --eval-every 0 is refused above: `or` only fills in the default
     args.configs = ttt_configs.parse_list(args.configs or DEFAULT_CONFIGS, args.steps)
-    args.layouts = [layout(x) for x in args.layouts.split(",") if x]
-    args.links = [x for x in args.links.split(",") if x]
-    for link in args.links:
-        if link not in ("comm", "compute"):
-            p.error(f"--links: {link!r} is not comm or compute")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.out = args.out or os.path.join(HERE, "results", "time_to_target_quick" if args.quick else "time_to_target")
     return args
@@ -284,8 +281,7 @@ def main(argv=None):
     text = (f"bench/time_to_target.py{' --quick' if args.quick else ''} --workload {args.workload}: "
             f"{os.cpu_count()} CPU cores, total {time.perf_counter() - t0:.0f} s\n" + report(jobs))
     print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
+    with open(output_file(args.out + ".md"), "w") as f:
         f.write(text + "\n")
     with open(args.out + ".json", "w") as f:
         json.dump({"args": {k: (v if k != "configs" else [c.spec for c in v]) for k, v in vars(args).items()},

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+from bench_args import output_file  # bench/, this script's directory
 from decent_train.profiling import ACTIVE_STEPS, SKIP_STEPS, WARMUP_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,15 +95,16 @@ def draw(traces, png: str):
     handles = [matplotlib.patches.Patch(color=c, label=n.split("::")[-1]) for n, c in COLORS.items()]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    os.makedirs(os.path.dirname(png), exist_ok=True)
-    fig.savefig(png, dpi=110)
+    fig.savefig(output_file(png), dpi=110)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", default=None, help="directory of traces already written (skips the runs)")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the profiler records steps 6-9)")
-    parser.add_argument("--png", default=os.path.join(ROOT, "docs", "trace_overlap.png"))
+    parser.add_argument("--png", default=os.path.join(ROOT, "docs", "trace_overlap.png"),
+                        help="where the picture goes (default docs/trace_overlap.png: replaces the one "
+                             "docs/benchmarks.md shows)")
     args = parser.parse_args()
     if not args.traces and args.steps < SKIP_STEPS + WARMUP_STEPS + ACTIVE_STEPS:
         parser.error(f"--steps must be >= {SKIP_STEPS + WARMUP_STEPS + ACTIVE_STEPS}: the profiler skips "

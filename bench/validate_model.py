@@ -44,9 +44,11 @@ import time
 import numpy as np
 
 import cluster as bench_cluster  # bench/, this script's directory
+from bench_args import count, layout, link_bandwidth, listed, number, output_file
 from decent_comm import runtime_model as rm
 from decent_comm import topology as dc_topology
 from decent_train.cluster import format_bits, parse_bandwidth_bits
+from decent_train.flags import topology_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -203,38 +205,48 @@ def scatter(rows: list, path: str):
     plt.close(fig)
 
 
+def earlier_run(path: str) -> dict:
+    """argparse type of --from-json: the JSON an earlier run wrote, read now (a missing file, or another script's
+    JSON, was a traceback after the parsing: KeyError 'jobs')."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e}") from None
+    if not isinstance(old, dict) or not {"jobs", "meta"} <= set(old):
+        raise argparse.ArgumentTypeError(f"{path!r} has no 'jobs' and 'meta': not a JSON bench/validate_model.py wrote")
+    return old
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="layout 4x1 only (20 configurations)")
-    p.add_argument("--layouts", default="4x1,2x2")
-    p.add_argument("--bandwidths", default="50Mbit,200Mbit")
-    p.add_argument("--topologies", default="one-peer-exp,aer,aer-pair,ring")
-    p.add_argument("--stds", default="0,0.3", help="straggler std values (fraction of the mean compute)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--probe-steps", type=int, default=12)
-    p.add_argument("--sim-steps", type=int, default=2000)
+    p.add_argument("--layouts", type=listed(layout), default="4x1,2x2", help="comma-separated NODESxRANKS_PER_NODE")
+    p.add_argument("--bandwidths", type=listed(link_bandwidth), default="50Mbit,200Mbit")
+    p.add_argument("--topologies", type=listed(topology_name), default="one-peer-exp,aer,aer-pair,ring")
+    p.add_argument("--stds", type=listed(number(0.0)), default="0,0.3",
+                   help="straggler std values (fraction of the mean compute)")
+    p.add_argument("--steps", type=count(1), default=40)
+    p.add_argument("--eval-every", type=count(1), default=10)
+    p.add_argument("--probe-steps", type=count(1), default=12)
+    p.add_argument("--sim-steps", type=count(1), default=2000, help="steps the simulator runs per prediction")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--timeout", type=number(0.0, strictly=True), default=1800)
     p.add_argument("--docs", default=os.path.join(ROOT, "docs", "runtime_model_validation"),
-                   help="prefix of the markdown and PNG outputs")
+                   help="prefix of the markdown and PNG outputs (default docs/runtime_model_validation: replaces "
+                        "the committed page and picture)")
     p.add_argument("--json", default=None, help="JSON output (default bench/results/validate_model[_quick].json)")
-    p.add_argument("--from-json", default=None, help="re-evaluate the model on the measurements of an earlier JSON")
+    p.add_argument("--from-json", type=earlier_run, default=None,
+                   help="re-evaluate the model on the measurements of an earlier JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.layouts = "4x1"
-    args.layouts = [bench_cluster.layout(x) for x in args.layouts.split(",") if x]
-    args.bandwidths = [b for b in args.bandwidths.split(",") if b]
-    args.topologies = [t for t in args.topologies.split(",") if t]
-    args.stds = [float(s) for s in args.stds.split(",") if s]
+        args.layouts = [(4, 1)]
     args.json = args.json or os.path.join(HERE, "results", "validate_model_quick.json" if args.quick else "validate_model.json")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
     t0 = time.perf_counter()
     if args.from_json:
-        with open(args.from_json) as f:
-            old = json.load(f)
-        jobs, meta = old["jobs"], old["meta"]
+        jobs, meta = args.from_json["jobs"], args.from_json["meta"]
     else:
         work = tempfile.mkdtemp(prefix="decent_validate_")
         jobs = []
@@ -252,12 +264,10 @@ def main(argv=None):
     emulated = all(j["cluster"]["emulated"] for j in jobs)
     text = markdown(rows, meta, emulated)
     print(text)
-    os.makedirs(os.path.dirname(args.docs), exist_ok=True)
-    with open(args.docs + ".md", "w") as f:
+    with open(output_file(args.docs + ".md"), "w") as f:
         f.write(text)
     scatter(rows, args.docs + ".png")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
+    with open(output_file(args.json), "w") as f:
         json.dump({"meta": meta, "rows": rows, "summary": {k: summary(rows, k) for k in ("error", "error_sim", "error_flat")},
                    "jobs": jobs}, f, indent=1)
     print(f"wrote {args.docs}.md, {args.docs}.png and {args.json}")
