@@ -16,19 +16,11 @@ import torch
 from decent_train import data
 from decent_train.flags import resolve_defaults
 from decent_train.workloads import digits, lm, synthetic
+from harness_support import signal_handlers_restored  # noqa: F401 (autouse)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--corpus-mb", "0.2",
         "--eval-tokens", "1024", "--no-progress"]
-
-
-@pytest.fixture(autouse=True)
-def signal_handlers_restored():
-    """main() leaves SIGTERM (and after an interrupt SIGINT) ignored on its way out of the process; not pytest's."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
 
 
 def refused(argv, capsys, parse=lm.parse_args):

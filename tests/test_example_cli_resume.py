@@ -10,7 +10,6 @@ import contextlib
 import io
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -18,18 +17,10 @@ import torch
 from decent_train.distributed import DistEnv
 from decent_train.workloads import digits, lm, synthetic
 from dist_utils import run_ranks
+from harness_support import signal_handlers_restored  # noqa: F401 (autouse)
 
 FLAGS = ["--batch-size", "8", "--eval-every", "2", "--lr-schedule", "constant", "--no-progress"]
 MLP4 = ["--model", "mlp", "--width", "4"]
-
-
-@pytest.fixture(autouse=True)
-def signal_handlers_restored():
-    """main() leaves SIGTERM ignored on its way out of the process after a refusal; not pytest's."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
 
 
 @pytest.fixture(scope="module")
