@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decent_comm import topology as T  # noqa: E402
 from decent_comm.runtime_model import (ClusterConfig, ComputeTime, Workload, parse_bandwidth,  # noqa: E402
                                        predict, simulate, simulate_allreduce)
-from decent_comm.runtime_model.closed_form import make_topology  # noqa: E402
+from decent_comm.runtime_model.gossip import make_topology  # noqa: E402
 
 # ---- assumptions (one set for every row) ------------------------------------------------
 PARAMS = 65e6                    # Transformer base with a shared 37K vocabulary

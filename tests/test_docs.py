@@ -188,3 +188,14 @@ def test_the_errors_the_readme_says_to_catch_are_top_level():
     assert issubclass(decent_comm.ExchangeTimeout, (decent_comm.ExchangeError)) and issubclass(
         decent_comm.ExchangeTimeout, TimeoutError) and issubclass(decent_comm.ExchangeError, RuntimeError)
     assert "`decent_comm.ExchangeTimeout` / `decent_comm.ExchangeError`" in one_line(read("README.md"))
+
+
+@pytest.mark.parametrize("script", sorted(n for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith(".py")))
+def test_the_doc_generating_scripts_start(script):
+    """scripts/ regenerate docs/ tables; nothing ran them, so a moved import (make_topology) broke one unseen."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
