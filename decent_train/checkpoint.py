@@ -247,13 +247,13 @@ def missing_step_dir(step_dir: str, named_by: Optional[str] = None) -> str:
 def _load_into(file: str, what: str, target, state: dict):
     """target.load_state_dict(state); a failure (torch's RuntimeError for other shapes or names, KeyError for
     another optimizer's state, ValueError for another group layout or decent_comm's schedule) is a CheckpointError
-    naming the file, the first lines of the error kept (a size mismatch lists every parameter)."""
+    naming the file, the first two lines of the error kept whole (a size mismatch lists every parameter)."""
     try:
         target.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        text = " ".join(lines[:2])
-        text = text[:300] + " ..." if len(text) > 300 or len(lines) > 2 else text
+        # Whole lines: a cut at 300 characters ended decent_comm's own one-line refusals mid-word.
+        text = " ".join(lines[:2]) + (" ..." if len(lines) > 2 else "")
         raise CheckpointError(f"{file}: its {what} does not load into this run's {type(target).__name__} "
                               f"({type(e).__name__}: {text})") from e
 

@@ -114,6 +114,23 @@ def test_a_resume_at_or_past_steps_warns_that_nothing_is_trained(saved, steps, c
             "is trained (give --steps above 2 to train on)") in err, err
 
 
+def test_a_count_spelled_otherwise_is_the_same_model(tmp_path, capsys):
+    """The synthetic workload records --params: 4.02k parsed as 4019.9999999999995 and a resume with 4020 was refused
+    although both build the same model."""
+    argv = [*FLAGS, "--compute-ms", "0", "--checkpoint", str(tmp_path)]
+    synthetic.main([*argv, "--params", "4.02k", "--steps", "2"])
+    assert synthetic.main([*argv, "--params", "4020", "--steps", "3", "--resume", str(tmp_path)])["steps"] == 3
+    assert synthetic.parse_args(["--params", "4.02k"]).params == 4020
+
+
+def test_a_refusal_of_decent_comm_is_shown_whole(saved, capsys):
+    """A load that decent_comm refuses (another --gossip-every) is one line with its whole message: it was cut at
+    300 characters, mid-word."""
+    line = refused([*FLAGS, *MLP4, "--gossip-every", "2", "--steps", "3", "--resume", str(saved / "dadamw")], capsys)
+    assert "its optimizer state does not load into this run's" in line and "gossip_every" in line, line
+    assert len(line) > 330 and not line.endswith(" ...)"), line
+
+
 @pytest.mark.parametrize("module, argv", [(digits, []), (lm, ["--corpus-mb", "0.2"]), (synthetic, [])])
 def test_every_workload_names_flags_of_its_own_that_change_the_model(module, argv):
     """A flag named that is not the parser's would be recorded as an AttributeError; one that is, changes the model's

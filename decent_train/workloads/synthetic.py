@@ -96,6 +96,12 @@ def width_for(params: float, layers: int, classes: int) -> int:
     return max(4, int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
 
 
+def whole_count(text: str) -> int:
+    """--params as a whole number: a checkpoint records it (must_match), and 4.1M, parsed as 4099999.9999999995, was
+    refused on a resume with 4100k."""
+    return round(parse_count(text))
+
+
 def build_task(args, env) -> Task:
     width = width_for(args.params, args.layers, args.classes)
     model = SyntheticNet(width, args.layers, args.classes, args.compute_ms / 1e3)
@@ -125,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.make_parser(__doc__)
     add_common_args(parser, steps=100, batch_size=8, eval_every=20)
     g = parser.add_argument_group("synthetic model")
-    g.add_argument("--params", type=parse_count, default=1e6, help="parameters (e.g. 1M, 250k) (default: 1M)")
+    g.add_argument("--params", type=whole_count, default=1_000_000, help="parameters (e.g. 1M, 250k) (default: 1M)")
     g.add_argument("--layers", type=count(1), default=4, help="square blocks (DDP buckets form along them)")
     g.add_argument("--classes", type=count(2), default=4, help="teacher classes")
     g.add_argument("--compute-ms", type=number(), default=100.0,
