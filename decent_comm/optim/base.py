@@ -25,7 +25,7 @@ from ..exchange import MAX_BUCKETS, broadcast_from_rank0
 from . import amp, int8_wire
 from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
-from .interrupts import HeldInterrupt
+from .interrupts import holds_interrupt
 from .buckets import Bucket, build_buckets
 from .param_versions import check_unwritten, note_in_flight, written
 from .step_vars import StepVars
@@ -199,7 +199,8 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         return None if self._schedule.average_gradients(self._schedule.t, found_inf, grad_scale=grad_scale) \
             else grad_scale
 
-    @amp.forgets_scaler_on_error
+    @amp.forgets_scaler_on_error  # (outside the hold: it sees the KeyboardInterrupt the hold raises, drops the scale)
+    @holds_interrupt  # Ctrl-C: raised once the step is taken or refused, never between two checks or buckets
     @torch.no_grad()
     def step(self, closure=None):
         self._schedule.check_running(f"{type(self).__name__}.step()")  # CUDA graph capture, after shutdown()
@@ -223,20 +224,19 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
                 loss = closure()
         if self.mode == "atc" and now.closure is None:  # (not with a closure the wrapped optimizer runs after the mix)
             self._schedule.check_deferred_used()  # a bypassed hook, warned of before anything changes (see there)
-        with HeldInterrupt():  # Ctrl-C: raised once every bucket is updated and launched (optim/interrupts.py)
-            self._gather_grads()
-            found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
-            grad_scale = self._average_gradients(found_inf, getattr(self, "grad_scale", None))
-            now.amp, skip_update = self._amp_for_step(found_inf, grad_scale)
-            if self.mode == "awc":
-                self._step_awc(skip_update)
-            else:
-                self._step_atc(skip_update)
-            written(self._buckets)
-            note_in_flight(self._buckets, self._schedule.sending_parameters())
-            self._let_go()
-            now.closure = None
-            self._note_state()
+        self._gather_grads()
+        found_inf = amp.overflow_flag(getattr(self, "found_inf", None), self._schedule.device)
+        grad_scale = self._average_gradients(found_inf, getattr(self, "grad_scale", None))
+        now.amp, skip_update = self._amp_for_step(found_inf, grad_scale)
+        if self.mode == "awc":
+            self._step_awc(skip_update)
+        else:
+            self._step_atc(skip_update)
+        written(self._buckets)
+        note_in_flight(self._buckets, self._schedule.sending_parameters())
+        self._let_go()
+        now.closure = None
+        self._note_state()
         return loss if now.closure_loss is None else now.closure_loss
 
     def _gather_grads(self):
