@@ -25,9 +25,18 @@ are set up, so it runs before every atexit hook registered earlier (atexit is LI
 that tears process groups down) and while the process group and the interpreter are fully alive. It drains
 nothing when the interpreter is exiting because of an uncaught exception (peers may never post their side;
 the native destructor then keeps the buffers alive and says so).
+
+A forked child (os.fork() while they live) closes none of its parent's: their transfers run on the parent's gloo
+threads, which the child does not have (a drain waited forever), and its sockets and epoll instance are shared with
+the parent (a child's drain took gloo's loop down in the parent: SIGABRT, "epoll_ctl: No such file or directory").
+So at the fork the child takes them off both lists and leaks them on purpose: an extra reference the interpreter never
+drops, so that neither ``__del__`` nor the native destructor (which lets go of the transport and the process group)
+runs in the child, not even at finalization; their owners' finalizers find them foreign and do nothing.
 """
 import atexit
+import ctypes
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -47,6 +56,7 @@ _lock = threading.Lock()
 _open = []           # (weak reference, "") of the exchangers created so far, in creation order
 _owners = []         # (weak reference, label) of the owners (optimizers' schedules) of exchangers, in creation order
 _registered = False
+_foreign = set()     # id() of a parent's exchangers and owners, in a forked child: leaked, so their ids stay theirs
 
 
 def _add(refs: list, obj, label: str) -> None:
@@ -83,7 +93,7 @@ def close_on_collect(closeable, name: str = "") -> None:
     """For ``__del__`` (or a weakref.finalize) of an exchanger or an owner: drain and close unless the interpreter
     is already finalizing (then the atexit hook has run: it was left open because the process is dying of an
     exception)."""
-    if sys.is_finalizing():
+    if sys.is_finalizing() or id(closeable) in _foreign:
         return
     close_quietly(closeable, "when it was garbage collected", name)
 
@@ -126,3 +136,20 @@ def _close_all_at_exit() -> None:
     for exchanger in alive:  # creation order, the same on every rank
         if exchanger is not None:
             close_quietly(exchanger, "at exit")
+
+
+def _after_fork_in_child() -> None:
+    """The parent's exchangers and owners are leaked here (module docstring): never drained, closed or destroyed."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    for ref, _ in _owners + _open:
+        obj = ref()
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+            _foreign.add(id(obj))
+    _owners.clear()
+    _open.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

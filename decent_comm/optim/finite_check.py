@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..exchange import ranks_text
+from . import fork_guard
 from .plan import MixPlan
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,9 @@ def check_usable(s, what: str) -> None:
     error leaves the step part done (a neighbour's non-finite bucket k is found after buckets 0..k-1 were mixed and
     updated: checking every bucket first would wait for the last one's transfer before the first update, the overlap
     lost), this rank has told its peers it stopped, and a retry mixed and updated those buckets again before raising
-    the same words: unusable, as after an exchange's error."""
+    the same words: unusable, as after an exchange's error. First: RuntimeError in a fork of the process that built
+    the optimizer (fork_guard), whose waits would never end."""
+    fork_guard.check(s, what)
     if s.failed is not None:
         raise RuntimeError(f"decent_comm: {what}: unusable after an earlier check_finite error (build a new optimizer "
                            f"and load a checkpoint, or restart the process); the error was: {s.failed}")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import ops
 from ..exchange import BoundedAllReduce, GossipExchange, detached
 from ..topology import Adaptive
-from . import finite_check
+from . import finite_check, fork_guard
 from .adaptation import AdaptiveDriver
 from .int8_wire import Int8Wire
 from .interrupts import HeldInterrupt
@@ -365,9 +365,9 @@ class GossipSchedule(ScheduleCheckpoint):
         finite_check.check_usable(self, what)
 
     def shutdown(self):
-        # ATC: the last step's mix is still pending; applied, the parameters a script saves after shutdown() are
-        # x^{t+1}, as after synchronize(). Everything is released even if it fails. A mix that failed (or whose
-        # exchange did) is not tried: raising it again (shutdown() in a `finally:`) buried the error being handled.
+        # ATC: the last step's pending mix applied, the parameters saved after shutdown() are x^{t+1}. All is released
+        # even if it fails. A mix that failed (or its exchange) is not retried: raised again it buried the error.
+        fork_guard.check(self, "shutdown()")  # a fork's child: the parent's exchange is not this process's to close
         ex = self.exchange
         first, failed = None, self.failed or self.mix_error or (ex.error if ex is not None else None)
         if self.mode == "atc" and self.pending and not self._shut_down:

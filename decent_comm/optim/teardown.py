@@ -20,12 +20,14 @@ step() frames hold the optimizer (exchange.arrival.detached; it kept a failed op
 import weakref
 
 from ..exchange import close_on_collect, track_owner
+from . import fork_guard
 
 LABEL = "an optimizer nobody shut down"  # what the log calls the schedule when its shutdown fails
 
 
 def shut_down_when_dropped(optimizer, schedule) -> None:
     """schedule.shutdown() when `optimizer` is collected (a no-op after an explicit shutdown()), or at exit."""
+    fork_guard.stamp(schedule, type(optimizer).__name__)  # its users raise in a fork's child (fork_guard)
     if schedule.exchange is None:  # one rank: nothing pending, nothing to close
         return
     finalizer = weakref.finalize(optimizer, close_on_collect, schedule, LABEL)
