@@ -10,9 +10,8 @@ Semantics (t counts optimizer steps from 0; W'(t) = (1 - a_t) I + a_t W(t)):
        forward pre-hook of the first module using each bucket - the modules of `model` when given, else those
        a global pre-hook sees run - or at the end of the step for a bucket no module covers)
 
-Watching the replicas (decent_comm.optim.replica_watch): ``last_disagreement`` / ``disagreement()`` (from the
-fused kernels' extra output), ``replica_variance(every=K)`` and ``consensus_distance()`` (collectives),
-``bytes_sent``.
+Watching the replicas (decent_comm.optim.replica_watch): ``last_disagreement`` / ``disagreement()`` (from the fused
+kernels' extra output), ``replica_variance(every=K)`` and ``consensus_distance()`` (collectives), ``bytes_sent``.
 """
 
 import weakref
@@ -22,7 +21,7 @@ import torch
 
 from .. import ops
 from ..exchange import MAX_BUCKETS, broadcast_from_rank0
-from . import amp, int8_wire
+from . import amp, handover, int8_wire
 from .averaging import ReplicaAverages
 from .device_scalars import sq_dist, sum_scalars
 from .interrupts import holds_interrupt
@@ -94,6 +93,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
                                  "update of the next gossip round (ATC mixes before the next forward, which a delay "
                                  "defeats)")
             self._check_group_options(self.param_groups)
+            handover.settle_pending_mixes(self.param_groups)  # a live optimizer's pending ATC mix, before the copy
             topology = resolve_topology(topology, self.world_size, process_group)
             self._buckets: List[Bucket] = build_buckets(
                 self.param_groups, bucket_cap_mb, int8_wire.check_bucket_sizes if comm_dtype == torch.int8 else None)

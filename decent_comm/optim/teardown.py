@@ -21,6 +21,7 @@ import weakref
 
 from ..exchange import close_on_collect, track_owner
 from . import fork_guard
+from .handover import register
 
 LABEL = "an optimizer nobody shut down"  # what the log calls the schedule when its shutdown fails
 
@@ -36,3 +37,4 @@ def shut_down_when_dropped(optimizer, schedule) -> None:
     # exception.
     finalizer.atexit = False
     track_owner(schedule, LABEL)
+    register(schedule)  # a new optimizer over its parameters applies its pending mix first (handover.py)
