@@ -51,7 +51,7 @@ def _global_average(opt):
         pass
 
 
-def _in_child(m, opt, synced, exit_how, write_fd):
+def _in_child(m, opt, synced, exit_how, write_fd, solo):
     """Everything the child tries (each entry point twice: every call raises), then its exit."""
     snapshot = [p.detach().clone() for p in m.parameters()]
     x = torch.randn(4, 8)
@@ -68,7 +68,9 @@ def _in_child(m, opt, synced, exit_how, write_fd):
 
     calls = {"model.state_dict": model_state, "eval_forward": evaluate, "opt.state_dict": opt.state_dict,
              "step": opt.step, "synchronize": opt.synchronize, "global_average": lambda: _global_average(opt),
-             "average_parameters": opt.average_parameters, "shutdown": opt.shutdown}
+             "average_parameters": opt.average_parameters, "shutdown": opt.shutdown,
+             # a new optimizer over the parameters on a one-rank group: the pending mix is the parent's (handover.py)
+             "new_optimizer": lambda: decent_comm.DSGD(m.parameters(), lr=0.1, process_group=solo)}
     for name, fn in calls.items():
         out[name] = [_attempt(fn), _attempt(fn)]
     os.write(write_fd, json.dumps(out).encode())
@@ -84,6 +86,7 @@ def _in_child(m, opt, synced, exit_how, write_fd):
 
 
 def _rank(rank, world, mode, fork, synced, exit_how):
+    solo = [torch.distributed.new_group([r]) for r in range(world)][rank]
     m = _model()
     opt = decent_comm.DAdamW(m.parameters(), lr=1e-2, mode=mode, model=m, timeout=10)
     _train(m, opt, 3, seed=1)
@@ -97,7 +100,7 @@ def _rank(rank, world, mode, fork, synced, exit_how):
         if pid == 0:
             os.close(r)
             try:
-                _in_child(m, opt, synced, exit_how, w)
+                _in_child(m, opt, synced, exit_how, w, solo)
             finally:
                 os._exit(3)
         os.close(w)
@@ -128,7 +131,7 @@ def test_fork_child_raises_exits_and_leaves_the_parent_training(mode, synced, ex
         assert report["status"] == 0, f"rank {rank}: the child did not exit cleanly: {report}"
         assert report["seconds"] < 10, f"rank {rank}: the child took {report['seconds']:.1f} s to exit"
         calls = report["calls"]
-        readable = {"model.state_dict", "eval_forward"} if mode == "awc" or synced else set()
+        readable = {"model.state_dict", "eval_forward", "new_optimizer"} if mode == "awc" or synced else set()
         for name, results in calls.items():
             for result in results:
                 if name in readable:

@@ -24,6 +24,8 @@ import logging
 import weakref
 from typing import List
 
+from . import fork_guard
+
 log = logging.getLogger(__name__)
 
 #: the gossip schedules of the optimizers alive at world size > 1 (teardown.shut_down_when_dropped registers them)
@@ -45,6 +47,9 @@ def settle_pending_mixes(param_groups: List[dict]) -> None:
             continue
         if not any(id(s.param) in mine for b in schedule.buckets for s in b.slots):
             continue
+        # A fork's child: the parent's mix can be neither applied nor given up here (its hooks stay on the model and
+        # raise at the first forward), so the construction is refused with the fork's message, not logged past.
+        fork_guard.check(schedule, "building an optimizer over parameters whose optimizer has a mix pending")
         ex = schedule.exchange
         failed = schedule.failed or schedule.mix_error or (ex.error if ex is not None else None)
         if failed is None:
