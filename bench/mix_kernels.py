@@ -38,6 +38,7 @@ from decent_comm import _native, ops
 from decent_comm.optim.flat_memory import flat_buffer
 
 
+PARTS = ("mix", "adam", "sgd", "int8")  # what --only picks from
 INNER = 1  # back-to-back calls per timing on CUDA (--inner): one call at 1M elements times its launch only
 LAYOUT = "optimizer"  # --layout
 _lanes_used = 0
@@ -322,9 +323,9 @@ def main():
     ap.add_argument("--threads", type=listed(count(1)), default=None, help="CPU: comma-separated thread counts to run every row at (default: "
                     "torch's current count)")
     args = ap.parse_args()
-    only = set(args.only.split(",")) if args.only else {"mix", "adam", "sgd", "int8"}
-    if not only <= {"mix", "adam", "sgd", "int8"}:  # an unknown part ran nothing and wrote an empty table
-        ap.error(f"--only: unknown part(s) {sorted(only - {'mix', 'adam', 'sgd', 'int8'})}; choose from mix,adam,sgd,int8")
+    only = set(args.only.split(",")) if args.only else set(PARTS)
+    if not only <= set(PARTS):  # an unknown part ran nothing and wrote an empty table
+        ap.error(f"--only: unknown part(s) {sorted(only - set(PARTS))}; choose from {','.join(PARTS)}")
 
     sizes = args.sizes or ([2**20, 2**24] if args.quick else [2**20, 2**22, 2**24, 2**26])
     global INNER, LAYOUT

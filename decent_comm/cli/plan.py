@@ -85,8 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--params", type=COUNT, help="parameters per replica, e.g. 65M, 1.3B")
     g.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="fp32", metavar="DTYPE",
-                   help="dtype on the wire, as the optimizers' comm_dtype: fp32 (default, 4 bytes/param), bf16, fp16 (2), "
-                        "int8 (1, plus a 4-byte scale per 512), fp64 (8)")
+                   help="dtype on the wire, as the optimizers' comm_dtype: fp32 (default, 4 bytes/param), bf16, "
+                        "fp16 (2), int8 (1, plus a 4-byte scale per 512), fp64 (8)")
     g.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16", "fp64"), default=None,
                    help="the parameters' dtype (default: the measured model's, else fp32): group all-reduce steps "
                         "and the default wire move it")

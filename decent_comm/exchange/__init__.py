@@ -6,8 +6,9 @@
 * ``GossipExchange``: both behind the one interface the gossip schedule uses.
 
 Every path has the same method names - ``exchange`` (whose peer arguments are each path's own), ``wait``,
-``wait_all``, ``synchronize``, ``bytes_sent``, ``shutdown`` - and raises the same errors: ``ExchangeError`` (a RuntimeError: a peer exited, a transport
-failed; the object is unusable afterwards) and ``ExchangeTimeout`` (an ExchangeError and a TimeoutError).
+``wait_all``, ``synchronize``, ``bytes_sent``, ``shutdown`` - and raises the same errors: ``ExchangeError``
+(a RuntimeError: a peer exited, a transport failed; the object is unusable afterwards) and ``ExchangeTimeout``
+(an ExchangeError and a TimeoutError).
 Bad arguments raise ``ValueError`` and leave the object usable.
 
 Imported here for decent_comm.optim, which uses them, but not public API (not in ``__all__``, nor on docs/api.md or docs/api_lowlevel.md):
