@@ -66,8 +66,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         raise TypeError(f"{type(self).__name__} cannot be pickled or deep-copied (it holds flat buckets, a process "
                         f"group and exchanges in flight): save opt.state_dict() and load it into a new optimizer")
 
-    # GradScaler calls step() even on overflow, passing grad_scale / found_inf (decent_comm.optim.amp); the fused
-    # kernels read them on the device.
+    # GradScaler calls step() even on overflow, with grad_scale / found_inf (optim/amp.py) the kernels read on device
     _step_supports_amp_scaling = True
     _amp_in_kernel = False
     # Whether a sparse gradient may be densified: the update equals torch's from the sparse one (SGD), or the
@@ -199,6 +198,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         return None if self._schedule.average_gradients(self._schedule.t, found_inf, grad_scale=grad_scale) \
             else grad_scale
 
+    @torch.compiler.disable  # a compiled training step runs step() eagerly: why in tests/test_compiled_step.py
     @amp.forgets_scaler_on_error  # (outside the hold: it sees the KeyboardInterrupt the hold raises, drops the scale)
     @holds_interrupt  # Ctrl-C: raised once the step is taken or refused, never between two checks or buckets
     @torch.no_grad()
