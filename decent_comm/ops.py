@@ -9,6 +9,8 @@ of equal length on one device; optimizer state is float32.
 squared distance to the neighbourhood average, computed in the same pass over memory.
 
 Refused before anything is written, with a message that starts ``decent_comm.<op>: `` and names the argument:
+- by the dispatcher, caught here and refused with a RuntimeError: a tensor of another layout than strided (sparse,
+  sparse CSR, mkldnn), none of whose backends has a kernel;
 - by the kernels' checks (C++), with a RuntimeError: wrong lengths, dtypes, devices, layouts or shifted/shared
   memory; a non-finite weight or hyper-parameter, or one that overflows the math dtype (float32 unless x is
   float64); lr, eps, momentum, weight_decay < 0; betas outside [0, 1) (also once rounded to float32); step < 1,
@@ -110,6 +112,26 @@ def _block_problem(name: str, block: int):
     return None
 
 
+def _call(op: str, *args) -> None:
+    """torch.ops.decent_comm.<op>(*args), a tensor of another layout than strided (sparse, sparse CSR, mkldnn)
+    refused by name: the dispatcher finds no kernel for its backend before the kernels' checks run, and raised its
+    own NotImplementedError ("Could not run 'decent_comm::mix_sgd_' with arguments from the 'SparseCPU' backend"),
+    which named neither the op as decent_comm.<op> nor the argument. Looked for only once the dispatcher has refused,
+    so the usual call pays nothing for it."""
+    fn = getattr(_ops, op)
+    try:
+        fn(*args)
+    except NotImplementedError:
+        for arg, value in zip(fn.default._schema.arguments, args):
+            named = [(f"{arg.name}[{j}]", t) for j, t in enumerate(value)] if isinstance(value, list) else \
+                [(arg.name, value)]
+            for name, t in named:
+                if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+                    raise RuntimeError(f"decent_comm.{op}: {name} has layout {t.layout}; the ops take dense (strided) "
+                                       "tensors only (pass .to_dense())") from None
+        raise
+
+
 def _step_args(op: str, step, state_step) -> int:
     """The schema's host step: the given one, or 0 when the count comes from the device (state_step)."""
     if state_step is None:
@@ -147,8 +169,8 @@ def gossip_mix_(x: torch.Tensor, neighbors: Sequence[torch.Tensor], self_weight:
                 weights: Sequence[float], disagreement: Optional[torch.Tensor] = None, *, copies=None, payloads=None,
                 payload_offset: int = 0, payload_block: int = INT8_BLOCK) -> None:
     """x <- self_weight * x + sum_j weights[j] * neighbors[j] (with copies: see the module doc)."""
-    _ops.gossip_mix_(x, list(neighbors), float(self_weight), _weights(weights), disagreement,
-                     *_wire("gossip_mix_", copies, payloads, payload_offset, payload_block))
+    _call("gossip_mix_", x, list(neighbors), float(self_weight), _weights(weights), disagreement,
+                         *_wire("gossip_mix_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, momentum=0.0, dampening=0.0,
@@ -165,10 +187,10 @@ def mix_sgd_(x, neighbors, self_weight, weights, grad, momentum_buffer, lr, mome
     doc) the kernel decides that instead (count == 0), so an overflow-skipped first step leaves the next one
     first; ``first_step`` must then be False.
     """
-    _ops.mix_sgd_(x, list(neighbors), float(self_weight), _weights(weights), grad, momentum_buffer,
-                  float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
-                  bool(first_step), disagreement, grad_scale, found_inf, state_step,
-                  *_wire("mix_sgd_", copies, payloads, payload_offset, payload_block))
+    _call("mix_sgd_", x, list(neighbors), float(self_weight), _weights(weights), grad, momentum_buffer,
+                      float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+                      bool(first_step), disagreement, grad_scale, found_inf, state_step,
+                      *_wire("mix_sgd_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, step, lr, beta1=0.9,
@@ -182,10 +204,10 @@ def mix_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, ste
     x <- mix(x_old) - lr * (m_hat / (sqrt(v_hat) + eps) [+ weight_decay * x_old if decoupled]); with no
     neighbours and self_weight = 1 it is one torch step (to float32 rounding).
     """
-    _ops.mix_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
-                   _step_args("mix_adam_", step, state_step), float(lr), float(beta1), float(beta2), float(eps),
-                   float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step,
-                   *_wire("mix_adam_", copies, payloads, payload_offset, payload_block))
+    _call("mix_adam_", x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
+                       _step_args("mix_adam_", step, state_step), float(lr), float(beta1), float(beta2), float(eps),
+                       float(weight_decay), bool(decoupled), disagreement, grad_scale, found_inf, state_step,
+                       *_wire("mix_adam_", copies, payloads, payload_offset, payload_block))
 
 
 def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_sq, accum, step, accum_steps,
@@ -200,12 +222,12 @@ def mix_accum_adam_(x, neighbors, self_weight, weights, grad, exp_avg, exp_avg_s
     A += g / K; every K updates M, V absorb A (M = b1*M + (1-b1)*A, V = b2*V + (1-b2)*A^2) and A = 0.
     A skipped (found_inf) step does not count: it neither accumulates nor moves the window.
     """
-    _ops.mix_accum_adam_(x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
-                         accum, _step_args("mix_accum_adam_", step, state_step),
-                         _int64("mix_accum_adam_", "accum_steps", accum_steps), float(lr), float(beta1),
-                         float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
-                         grad_scale, found_inf, state_step,
-                         *_wire("mix_accum_adam_", copies, payloads, payload_offset, payload_block))
+    _call("mix_accum_adam_", x, list(neighbors), float(self_weight), _weights(weights), grad, exp_avg, exp_avg_sq,
+                             accum, _step_args("mix_accum_adam_", step, state_step),
+                             _int64("mix_accum_adam_", "accum_steps", accum_steps), float(lr), float(beta1),
+                             float(beta2), float(eps), float(weight_decay), bool(decoupled), disagreement,
+                             grad_scale, found_inf, state_step,
+                             *_wire("mix_accum_adam_", copies, payloads, payload_offset, payload_block))
 
 
 def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
@@ -240,13 +262,13 @@ def int8_encode_(x: torch.Tensor, copy: torch.Tensor, payload: torch.Tensor, blo
     in a block whose absmax is FLT_MAX itself, from another for an element within absmax / 254 of +-FLT_MAX (or
     beyond it: a float64 x). The optimizers' check_finite=True names either as the wire's float32 range.
     """
-    _ops.int8_encode_(x, copy, payload, _int64("int8_encode_", "block", block))
+    _call("int8_encode_", x, copy, payload, _int64("int8_encode_", "block", block))
 
 
 def int8_dequantize_add_(copy: torch.Tensor, payload: torch.Tensor, block: int = INT8_BLOCK) -> None:
     """copy += deq(payload) (level * scale, then the add, each rounded to float32): a receiver's side of
     int8_encode_."""
-    _ops.int8_dequantize_add_(copy, payload, _int64("int8_dequantize_add_", "block", block))
+    _call("int8_dequantize_add_", copy, payload, _int64("int8_dequantize_add_", "block", block))
 
 
 def int8_payload_nbytes(numel: int, block: int = INT8_BLOCK) -> int:

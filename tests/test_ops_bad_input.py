@@ -159,7 +159,7 @@ def _tensors(a):
 
 def assert_refused(op, args, pattern, error=RuntimeError):
     """The call raises `error` matching `pattern`, and every tensor argument keeps its bits."""
-    tensors = [t for t in _tensors(args) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in _tensors(args) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
     before = [t.detach().reshape(-1).clone() for t in tensors]
     with pytest.raises(error, match=pattern):
         CALL[op](**args)
@@ -368,6 +368,11 @@ WHO_REFUSES = [
     ("sgd", {"payload_block": 1.5}, ValueError, "payload_block must be an integer"),
     ("mix", {"payload_offset": "x"}, ValueError, "payload_offset must be an integer"),
     ("mix", {"copies": [torch.zeros(16)]}, ValueError, "pass copies and payloads together"),
+    # sparse: the dispatcher's NotImplementedError (backend 'SparseCPU') named neither decent_comm.<op> nor the argument
+    ("sgd", {"grad": torch.zeros(16).to_sparse()}, RuntimeError, "grad has layout torch.sparse_coo; the ops take"),
+    ("mix", {"neighbors": [torch.ones(16).to_sparse()]}, RuntimeError, "neighbors[0] has layout torch.sparse_coo"),
+    ("adam", {"exp_avg": torch.zeros(16).to_sparse()}, RuntimeError, "exp_avg has layout torch.sparse_coo"),
+    ("accum", {"found_inf": torch.zeros(1).to_sparse()}, RuntimeError, "found_inf has layout torch.sparse_coo"),
 ]
 
 
@@ -386,5 +391,9 @@ def test_codec_checks_name_the_op_too():
             call(6)
         with pytest.raises(ValueError, match=rf"^decent_comm\.{op}: block must be an integer, got 512\.0"):
             call(512.0)
+    with pytest.raises(RuntimeError, match=r"^decent_comm\.int8_encode_: copy has layout torch\.sparse_coo; "):
+        ops.int8_encode_(x, copy.to_sparse(), payload)
+    with pytest.raises(RuntimeError, match=r"^decent_comm\.int8_dequantize_add_: copy has layout torch\.sparse_coo"):
+        ops.int8_dequantize_add_(copy.to_sparse(), payload)
     with pytest.raises(ValueError, match=r"^decent_comm\.int8_payload_views: not an int8_encode_ payload"):
         ops.int8_payload_views(payload[:-1], 512)

@@ -63,6 +63,22 @@ def test_sparse_gradients_are_refused_where_torch_refuses_them(name):
         decent_comm.Decentralized(torch.optim.SparseAdam(emb.parameters()))
 
 
+@pytest.mark.parametrize("name", sorted(SPARSE_REFUSERS))
+def test_a_refused_sparse_gradient_names_the_users_parameter(name):
+    """Named by the user's group and index, not by the slot in its bucket: with float64, float32, float64 the
+    third parameter is the float64 bucket's second, and the message said "parameter 1 of bucket 0"."""
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]},
+              {"params": [torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+                          for n, dtype in ((4, torch.float64), (5, torch.float32), (6, torch.float64))]}]
+    opt = SPARSE_REFUSERS[name](groups)
+    for g in groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    groups[1]["params"][2].grad = torch.ones(6, dtype=torch.float64).to_sparse()
+    with pytest.raises(RuntimeError, match=r"sparse gradients \(parameter 2 of param group 1, shape \(6,\)\)"):
+        opt.step()
+
+
 @pytest.mark.parametrize("ctor", [decent_comm.DSGD, decent_comm.DAdamW,
                                   lambda ps: decent_comm.Decentralized(torch.optim.SGD(ps, lr=0.1))])
 def test_parameters_that_share_memory_are_refused(ctor):

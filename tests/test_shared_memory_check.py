@@ -4,6 +4,7 @@ elements were taken to share memory unchecked: the column halves of a (4100, 163
 projection is, were refused with "share memory ... Tie weights by using one Parameter object", where torch.optim
 trains them (and eight column slices of a 65M-element tensor took 11 s and 1.4 GB to accept). The check now solves
 the offsets' integer equation exactly; here it is compared with an element-by-element mask on random layouts."""
+import itertools
 import random
 
 import pytest
@@ -42,6 +43,8 @@ def test_random_layouts_match_an_element_by_element_mask():
             shape = [rng.randint(1, 6) for _ in range(dims)]
             stride = [rng.randint(1, 40) for _ in range(dims)]
             views.append(storage.as_strided(shape, stride, rng.randint(0, 200)))
+        if any(map(_refers_twice, views)):  # refused on their own (test_a_parameter_overlapping_itself_...)
+            continue
         a, b = views
         want = _mask_reference(a, b)
         assert _refused(a, b) == want, (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(),
@@ -85,3 +88,64 @@ def test_a_refused_dtype_names_the_parameters_place(dtype):
               {"params": [torch.nn.Parameter(torch.zeros(2)), torch.zeros(2, 3, dtype=dtype)]}]
     with pytest.raises(ValueError, match=rf"got {dtype} of shape \(2, 3\): parameter 1 of param group 1"):
         decent_comm.DSGD(groups, lr=0.1)
+
+
+def _refers_twice(t):
+    """Whether two indices of `t` reach one element, by listing every index's offset (a reference in Python)."""
+    offsets = [sum(i * s for i, s in zip(index, t.stride())) for index in itertools.product(*map(range, t.shape))]
+    return len(set(offsets)) != len(offsets)
+
+
+def _refused_alone(p):
+    try:
+        check_no_shared_memory([{"params": [p]}])
+    except ValueError as exc:
+        assert "parameter 0 (shape" in str(exc) and "more than once" in str(exc), exc
+        return True
+    return False
+
+
+def test_a_parameter_overlapping_itself_is_refused_exactly():
+    """Only stride 0 was looked for: as_strided((4, 4), (2, 1)) over 10 elements was taken, each of its 16 indices
+    a slot of its own (an element two indices share updated once: 2.0 -> 1.9 with lr 0.1 and gradient 1, where
+    torch.optim.SGD steps it through both to 1.8)."""
+    rng = random.Random(1)
+    storage = torch.empty(400)
+    seen = set()
+    for _ in range(2000):
+        dims = rng.randint(1, 3)
+        view = storage.as_strided([rng.randint(1, 4) for _ in range(dims)], [rng.randint(0, 9) for _ in range(dims)])
+        want = _refers_twice(view)
+        assert _refused_alone(view) == want, (view.shape, view.stride())
+        seen.add(want)
+    assert seen == {True, False}
+    assert _refused_alone(torch.arange(10.).as_strided((4, 4), (2, 1)))
+    assert _refused_alone(torch.zeros(7).as_strided((2, 2), (3, 3)))  # (0, 1) and (1, 0) both reach 3
+    with pytest.raises(ValueError, match=r"parameter 1 \(shape \(4, 4\), strides \(2, 1\)\).*more than once"):
+        decent_comm.DSGD([torch.nn.Parameter(torch.zeros(3)),
+                          torch.nn.Parameter(torch.arange(10.).as_strided((4, 4), (2, 1)))], lr=0.1)
+
+
+def test_layouts_that_do_not_overlap_themselves_train_as_torch_trains_them():
+    """Transposed, channels_last, sliced, and an interleaving whose strides fail the quick test (shape (3, 2),
+    strides (2, 3): offsets 0, 3, 2, 5, 4, 7) are taken, and step as torch.optim.SGD steps them."""
+    def layouts():
+        return [torch.arange(12.).view(3, 4).t(),
+                torch.arange(2 * 3 * 4 * 5.).view(2, 3, 4, 5).to(memory_format=torch.channels_last),
+                torch.arange(40.).view(5, 8)[1:4, ::3],
+                torch.arange(8.).as_strided((3, 2), (2, 3)),
+                torch.arange(11.).as_strided((2, 3), (4, 3))]  # offsets 0, 3, 6, 4, 7, 10
+    for t in layouts():
+        assert not _refers_twice(t) and not _refused_alone(t), (t.shape, t.stride())
+    ours = [torch.nn.Parameter(t) for t in layouts()]
+    theirs = [torch.nn.Parameter(t) for t in layouts()]
+    opt, reference = decent_comm.DSGD(ours, lr=0.1, momentum=0.9), torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            p.grad = q.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach())
+    opt.shutdown()

@@ -16,7 +16,7 @@ import torch
 
 from .._args import real
 from .flat_memory import flat_buffer
-from .shared_memory import check_no_shared_memory
+from .shared_memory import check_no_shared_memory, labelled_params
 from .step_cache import StepCache
 
 # Start every parameter on a 16-byte boundary of its bucket, so the per-parameter views used when only
@@ -35,6 +35,9 @@ class Slot:
     # torch's optimizers never change a parameter's memory format. None: contiguous views.
     stride: Optional[Tuple[int, ...]] = None
     shape: Tuple[int, ...] = ()  # the parameter's shape at construction (its view's, whatever .data becomes)
+    # Its name in errors: its place in the user's param groups (shared_memory.labelled_params), not in the bucket's
+    # slots, which differ where a group mixes dtypes or devices
+    label: str = ""
 
 
 @dataclass
@@ -136,6 +139,10 @@ def build_buckets(param_groups: List[dict], bucket_cap_mb: float,
                                 tuple(p.shape)))
             b.numel += size
     check_no_shared_memory(param_groups)
+    labels = {id(p): label for label, p in labelled_params(param_groups)}
+    for b in buckets:
+        for s in b.slots:
+            s.label = labels[id(s.param)]
     if check is not None:
         check(buckets)
     for b in buckets:

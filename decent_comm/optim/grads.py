@@ -106,8 +106,8 @@ def _copy_in(buckets: List[Bucket], foreign: list, sparse_ok: Callable[[Bucket],
         s = b.slots[i]
         if g.is_sparse:
             if not sparse_ok(b):
-                raise RuntimeError(f"decent_comm: this optimizer does not support sparse gradients (parameter {i}"
-                                   f" of bucket {b.index}, shape {tuple(s.param.shape)}), as torch.optim.Adam(W) "
+                raise RuntimeError(f"decent_comm: this optimizer does not support sparse gradients (parameter "
+                                   f"{s.label}, shape {tuple(s.param.shape)}), as torch.optim.Adam(W) "
                                    "does not, nor SGD or Adagrad with weight_decay; use dense gradients (e.g. "
                                    "nn.Embedding(sparse=False)) or DSGD without weight decay")
             g = g.to_dense()

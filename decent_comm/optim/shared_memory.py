@@ -30,10 +30,11 @@ def check_no_shared_memory(param_groups: List[dict]) -> None:
     for i, (_, p) in enumerate(labelled):
         if p.numel() == 0 or p.device.type == "meta":
             continue
-        if any(st == 0 and sz > 1 for sz, st in zip(p.shape, p.stride())):
+        if _overlaps_itself(p):
             raise ValueError(f"parameter {name(i)} (shape {tuple(p.shape)}, strides {p.stride()}) refers to some of "
-                             "its memory more than once (an expanded tensor): torch.optim cannot update it in place "
-                             "either; make it a tensor of its own (.contiguous()) before building the optimizer")
+                             "its memory more than once (an expanded or self-overlapping as_strided tensor): "
+                             "torch.optim cannot update it in place either, or updates the shared elements once per "
+                             "index; make it a tensor of its own (.contiguous()) before building the optimizer")
         start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
         spans.append((start, start + _extent(p) * p.element_size(), i, p))
     spans.sort(key=lambda span: span[:3])
@@ -48,6 +49,29 @@ def check_no_shared_memory(param_groups: List[dict]) -> None:
                                  "share would no longer be updated. Tie weights by using one Parameter object in both "
                                  "places, not two Parameters over one tensor")
         active.append((lo, hi, i, p))
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of `t` reach one element. Stride 0 was the only case looked for, and as_strided((4, 4),
+    (2, 1)) over 10 elements went into a bucket as 16 independent ones (a shared element updated once where
+    torch.optim updates it through each index). Fast and sufficient first: the dimensions sorted by stride, each
+    stride past the extent of the smaller ones (contiguous, permuted, channels_last and sliced tensors all pass);
+    only a layout failing it (an interleaving: shape (3, 2), strides (2, 3) reaches 0, 3, 2, 5, 4, 7, no offset
+    twice) has every element's offset computed and counted."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 0  # the largest offset the dimensions so far add
+    for st, sz in dims:
+        if st <= reach:
+            break
+        reach += st * (sz - 1)
+    else:
+        return False
+    if any(st == 0 for st, _ in dims):
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, sz in dims:
+        offsets = offsets.unsqueeze(-1) + torch.arange(sz, dtype=torch.int64) * st
+    return offsets.unique().numel() != t.numel()
 
 
 def _extent(t: torch.Tensor) -> int:
