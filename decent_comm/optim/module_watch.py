@@ -17,8 +17,10 @@ by identity took 66 us of a 4.9 ms DSGD step on a loaded 2-core machine, 1.3%):
   compares one entry per module by identity (1000 modules: 35 us, 0.7% of that step), and every entry when one
   differs.
 A name that no longer exists is no error (torch.nn.utils.parametrize moves the same Parameter object under
-`parametrizations.<name>.original`, a wrapper module moves it under its own name), nor one that holds another of the
-optimizer's parameters: only a tensor the optimizer does not hold, at a name that held one of its parameters. Left
+`parametrizations.<name>.original`, a wrapper module moves it under its own name, `bias = None` or `del model[0]` drop
+it), nor one that holds another of the optimizer's parameters: only a tensor the optimizer does not hold, at a name
+that held one of its parameters, or a name parametrized into new Parameters (weight_norm's `original0`/`original1`)
+while the model no longer holds the optimizer's anywhere (it would train a copy nothing reads, the new ones frozen). Left
 unseen: a `module._parameters[name] = p` written directly to a module's second or later parameter.
 """
 
@@ -98,6 +100,7 @@ class ModuleWatch:
             _walk(self._model, "", None, now, set())
             held = {path: q for _, _, q, path in now}
             _compare(self._entries, [held.get(path) for _, _, _, path in self._entries], self._watched, what)
+            _check_reparametrized(self._entries, held, what)
             self._record()
         elif not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._firsts)):
             _compare(self._entries, [d.get(name) for d, name, _, _ in self._entries], self._watched, what)
@@ -124,3 +127,27 @@ def _replaced(path: str, q: torch.Tensor, what: str) -> RuntimeError:
         "would never train the new one, and would go on updating and exchanging its own, which the model no longer "
         "reads there. Build the optimizer after replacing parameters or converting the model, or build a new "
         "optimizer for the model as it is now and load this one's state_dict() into it.")
+
+
+def _check_reparametrized(entries, held, what: str) -> None:
+    """Raises for the first entry whose name vanished into a parametrization (`<prefix>parametrizations.<name>.`
+    holds tensors now) while its Parameter is held nowhere in the model (`held`: path -> tensor, the whole model):
+    weight_norm registered after the optimizer was built made new Parameters original0/original1 from the weight.
+    orthogonal or spectral_norm keep the same object as `...original`, which is reachable: no error."""
+    reachable = None
+    for _, name, p, path in entries:
+        if path in held:
+            continue
+        inner = f"{path[:len(path) - len(name)]}parametrizations.{name}."
+        new = [k for k in held if k.startswith(inner)]
+        if not new:
+            continue
+        if reachable is None:
+            reachable = {id(q) for q in held.values()}
+        if id(p) not in reachable:
+            raise RuntimeError(
+                f"decent_comm: {what}: the model's {path!r} was parametrized (torch.nn.utils.parametrize) into "
+                f"Parameters the optimizer does not hold ({', '.join(repr(k) for k in new)}), and the model no longer "
+                "holds the optimizer's parameter anywhere: the optimizer would go on updating and exchanging that one, "
+                "which nothing reads, and never train the new ones. Register parametrizations (weight_norm, ...) "
+                "before building the optimizer, or build a new optimizer for the model as it is now.")

@@ -8,7 +8,7 @@ from typing import List
 
 from torch.autograd.graph import increment_version
 
-from .buckets import Bucket, converted
+from .buckets import Bucket, adopt_storage, converted
 
 
 def written(buckets) -> None:
@@ -40,16 +40,35 @@ def note_landed(buckets) -> None:
 def check_unwritten(buckets) -> None:
     """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
     bucket was still being sent: a neighbour may have received a buffer part before, part after the write. A
-    parameter converted meanwhile (model.to(...) with swapped tensors) is refused as converted instead."""
+    parameter converted meanwhile (model.to(...) with swapped tensors) is refused as converted instead. One given
+    other storage meanwhile (p.set_(t), which bumps its counter; torch.nn.utils.parametrize registering, which calls
+    set_) wrote nothing into the buffer on the wire: it is no error, as p.data = t (no bump) is not, and the next step
+    or mix takes its values into the bucket (buckets.adopt_storage)."""
     for b in buckets:
         if b.versions is not None and _versions(b) != b.versions:
             _raise_if_converted(buckets)
-            i = next(i for i, s in enumerate(b.slots) if s.param._version != b.versions[i])
+            sent = b.flat.untyped_storage().data_ptr()
+            i = next((i for i, s in enumerate(b.slots)
+                      if s.param._version != b.versions[i] and s.param.untyped_storage().data_ptr() == sent), None)
+            if i is None:
+                continue
             raise RuntimeError(
                 f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
                 "in place between steps while this rank was still sending it (the exchange sends the parameters "
                 "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
                 "before writing parameters between steps.")
+
+
+def check_before_mix(buckets, before_copy, siblings) -> None:
+    """ATC, before the pending mix of `buckets`: a write while in flight is refused (check_unwritten; the mix would
+    hide it), and a parameter given new storage since the step (p.data = t, set_()) is taken back into its bucket
+    (adopt_storage), or the mix went to the buffer it no longer reads and the next step copied its unmixed values
+    over it (the mix lost for that parameter). `before_copy`, `siblings`: as adopt_storage's."""
+    check_unwritten(buckets)
+    for b in buckets:
+        if not b.cache.params_unchanged():  # (a cheap key: else every slot is still its view)
+            adopt_storage(b, before_copy, siblings)
+            b.cache.note_params()
 
 
 def _raise_if_converted(buckets) -> None:

@@ -34,7 +34,7 @@ from .int8_wire import Int8Wire
 from .interrupts import HeldInterrupt
 from .meter import DisagreementMeter
 from .mix_hooks import MixBeforeUse
-from .param_versions import check_unwritten, note_landed, written
+from .param_versions import check_before_mix, note_landed, written
 from .plan import Cadence, GroupSteps, MixInputs, MixPlan, check_mix_width, consensus_factor, mix_plan
 from .schedule_state import CORRECTION, ScheduleCheckpoint
 from .tracing import log_setup, traced
@@ -287,7 +287,7 @@ class GossipSchedule(ScheduleCheckpoint):
         ids = list(self.pending) if bucket_ids is None else [i for i in bucket_ids if i in self.pending]
         if ids:  # (a forward of modules whose buckets are mixed already mixes nothing: not refused)
             finite_check.check_usable(self, "the pending ATC mix")
-        check_unwritten([self.buckets[i] for i in ids])  # before the mix, which would hide a write while in flight
+        check_before_mix([self.buckets[i] for i in ids], self.complete_transfers, self.buckets)
         if ids and self._fresh:  # the first bucket of this exchange: a new disagreement measurement
             self.meter.begin()
             self._fresh = False
