@@ -20,8 +20,8 @@ A name that no longer exists is no error (torch.nn.utils.parametrize moves the s
 `parametrizations.<name>.original`, a wrapper module moves it under its own name, `bias = None` or `del model[0]` drop
 it), nor one that holds another of the optimizer's parameters: only a tensor the optimizer does not hold, at a name
 that held one of its parameters, or a name parametrized into new Parameters (weight_norm's `original0`/`original1`)
-while the model no longer holds the optimizer's anywhere (it would train a copy nothing reads, the new ones frozen). Left
-unseen: a `module._parameters[name] = p` written directly to a module's second or later parameter.
+while the model no longer holds the optimizer's anywhere (it would train a copy nothing reads, the new ones frozen).
+Left unseen: a `module._parameters[name] = p` written directly to a module's second or later parameter.
 """
 
 import operator
