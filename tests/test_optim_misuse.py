@@ -249,7 +249,7 @@ def test_a_parameter_reshaped_after_construction_is_refused(layout):
     opt = decent_comm.DAdamW([p, neighbour], lr=0.1)
     p.data = torch.ones(shape)
     p.grad, neighbour.grad = torch.ones(shape), torch.zeros(64)
-    with pytest.raises(RuntimeError, match=rf"parameter 0 of bucket 0 is now .* of shape {re.escape(str(shape))}, "
+    with pytest.raises(RuntimeError, match=rf"parameter 0 is now .* of shape {re.escape(str(shape))}, "
                                            r"where .* reshaped"):
         opt.step()
     assert torch.equal(neighbour, torch.zeros(64))
@@ -263,7 +263,7 @@ def test_parameters_tied_after_construction_are_refused(groups):
     opt = decent_comm.DSGD([a, b] if groups == 1 else [{"params": [a]}, {"params": [b]}], lr=0.1)
     b.data = a.data
     a.grad, b.grad = torch.ones(4), torch.ones(4)
-    where = "parameter 1 of bucket 0" if groups == 1 else "parameter 0 of bucket 1"
+    where = "parameter 1" if groups == 1 else "parameter 0 of param group 1"
     with pytest.raises(RuntimeError, match=f"{where} .*shares memory with another parameter"):
         opt.step()
 

@@ -42,7 +42,7 @@ def test_a_conversion_swapping_tensors_while_in_flight_is_named_as_a_conversion(
     compared first: it said the parameters were written in place and to call opt.synchronize() first, which does not
     help; the conversion is named, with what to do, as it is after a synchronize()."""
     for r, m in enumerate(run_ranks(_converted_with_swapped_tensors, 2, mode, dtype, timeout=120)):
-        assert m.startswith(f"decent_comm: parameter 0 of bucket 0 is now {dtype} on cpu of shape (3, 4), where the "
+        assert m.startswith(f"decent_comm: parameter 0 is now {dtype} on cpu of shape (3, 4), where the "
                             "optimizer's buffer holds torch.float32"), (r, m)
         assert "Build the optimizer after moving the model" in m and "written in place" not in m, (r, m)
 

@@ -221,16 +221,16 @@ def _after_fast_steps(name="DAdamW"):
 
 
 @pytest.mark.parametrize("change, error", [
-    (lambda ps: setattr(ps[0], "data", ps[0].data.float()), r"parameter 0 of bucket 0 is now torch.float32 .* model "
+    (lambda ps: setattr(ps[0], "data", ps[0].data.float()), r"parameter 0 is now torch.float32 .* model "
                                                            "was converted"),
     (lambda ps: setattr(ps[0], "data", ps[0].data.view(torch.complex64)),
-     r"parameter 0 of bucket 0 is now torch.complex64"),
-    (lambda ps: setattr(ps[3], "data", ps[3].data.view(5, 2)), r"parameter 3 of bucket 0 is now torch.float64 on cpu "
+     r"parameter 0 is now torch.complex64"),
+    (lambda ps: setattr(ps[3], "data", ps[3].data.view(5, 2)), r"parameter 3 is now torch.float64 on cpu "
                                                                r"of shape \(5, 2\)"),
-    (lambda ps: ps[0].t_(), r"parameter 0 of bucket 0 .* a view of its own memory in another layout"),
-    (lambda ps: setattr(ps[0], "data", ps[0].data.t()), r"parameter 0 of bucket 0 .* its own memory in another"),
-    (lambda ps: setattr(ps[1], "data", ps[0].data), r"parameter 1 of bucket 0 .* now shares memory with another"),
-    (lambda ps: ps[0].grad.resize_(2, 8), r"parameter 0 of bucket 0: its gradient has shape \(2, 8\)"),
+    (lambda ps: ps[0].t_(), r"parameter 0 .* a view of its own memory in another layout"),
+    (lambda ps: setattr(ps[0], "data", ps[0].data.t()), r"parameter 0 .* its own memory in another"),
+    (lambda ps: setattr(ps[1], "data", ps[0].data), r"parameter 1 .* now shares memory with another"),
+    (lambda ps: ps[0].grad.resize_(2, 8), r"parameter 0: its gradient has shape \(2, 8\)"),
     (lambda ps: setattr(ps[2], "grad", ps[2].grad.to_sparse()), r"does not support sparse gradients \(parameter 2"),
 ], ids=["converted", "reinterpreted", "reshaped", "param.t_", "param.data=t()", "tied", "grad.resize_", "sparse"])
 def test_a_change_the_checks_refuse_is_refused_after_fast_steps(change, error):
@@ -240,6 +240,26 @@ def test_a_change_the_checks_refuse_is_refused_after_fast_steps(change, error):
     with pytest.raises(RuntimeError, match=error):
         opt.step()
 
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda a, b, c: setattr(c, "data", c.data.float()), r"parameter 2 is now torch.float32"),
+    (lambda a, b, c: c.grad.resize_(2, 3), r"parameter 2: its gradient has shape \(2, 3\)"),
+    (lambda a, b, c: setattr(c, "data", a.data), r"parameter 2 \(shape \(6,\)\) now shares memory"),
+], ids=["converted", "grad.resize_", "tied"])
+def test_a_refusal_names_the_users_parameter_where_dtypes_split_a_group(change, error):
+    """float64, float32, float64 in one group: the third parameter is the float64 bucket's second, and these
+    refusals said "parameter 1 of bucket 0" (the bucket's slot) where the user's list holds it at 2."""
+    a, b, c = (torch.nn.Parameter(torch.ones(n, dtype=d)) for n, d in ((6, torch.float64), (5, torch.float32),
+                                                                        (6, torch.float64)))
+    opt = decent_comm.DSGD([a, b, c], lr=0.1)
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        change(a, b, c)
+    with pytest.raises(RuntimeError, match=error):
+        opt.step()
 
 def test_a_groups_parameters_edited_after_fast_steps_are_refused_as_before():
     ps, opt = _after_fast_steps()

@@ -198,7 +198,7 @@ def adopt_storage(b: Bucket, before_copy: Optional[Callable[[], None]] = None,
             mine = {o.flat.untyped_storage().data_ptr() for o in (b, *siblings)}
             if p.untyped_storage().data_ptr() in mine:
                 raise RuntimeError(
-                    f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(p.shape)}) now shares memory "
+                    f"decent_comm: parameter {s.label} (shape {tuple(p.shape)}) now shares memory "
                     "with another parameter of this optimizer (tied after it was built, b.data = a.data; swapped, "
                     "a.data, b.data = b.data, a.data) or is a view of its own memory in another layout (p.data = "
                     "p.data.t()): tie parameters before building the optimizer (it takes a shared parameter once); "
@@ -217,7 +217,7 @@ def converted(b: Bucket, i: int) -> Optional[RuntimeError]:
     if p.dtype == b.dtype and p.device == b.device and tuple(p.shape) == s.shape:
         return None
     return RuntimeError(
-        f"decent_comm: parameter {i} of bucket {b.index} is now {p.dtype} on {p.device} of shape "
+        f"decent_comm: parameter {s.label} is now {p.dtype} on {p.device} of shape "
         f"{tuple(p.shape)}, where the optimizer's buffer holds {b.dtype} of shape {s.shape} on {b.device}: the "
         "model was converted, moved, resized or reshaped (model.to(...), .cuda(), .half()) after the optimizer was "
         "built. Build the optimizer after moving the model (as with DDP), or build a new one and load the old one's "

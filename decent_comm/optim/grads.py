@@ -112,7 +112,7 @@ def _copy_in(buckets: List[Bucket], foreign: list, sparse_ok: Callable[[Bucket],
                                    "nn.Embedding(sparse=False)) or DSGD without weight decay")
             g = g.to_dense()
         if g.shape != s.param.shape:
-            raise RuntimeError(f"decent_comm: parameter {i} of bucket {b.index}: its gradient has shape "
+            raise RuntimeError(f"decent_comm: parameter {s.label}: its gradient has shape "
                                f"{tuple(g.shape)} but the parameter has {tuple(s.param.shape)}")
         view.copy_(g)
         s.param.grad = view

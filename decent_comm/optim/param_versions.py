@@ -53,7 +53,7 @@ def check_unwritten(buckets) -> None:
             if i is None:
                 continue
             raise RuntimeError(
-                f"decent_comm: parameter {i} of bucket {b.index} (shape {tuple(b.slots[i].param.shape)}) was written "
+                f"decent_comm: parameter {b.slots[i].label} (shape {tuple(b.slots[i].param.shape)}) was written "
                 "in place between steps while this rank was still sending it (the exchange sends the parameters "
                 "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
                 "before writing parameters between steps.")
