@@ -71,6 +71,34 @@ def test_group_steps_sum_unrounded_in_the_parameters_dtype(wire):
         assert sent == 4 * 3000 * 4 * 2 * (3 - 1) // 3, (r, sent)
 
 
+def _fp16_group_step(rank, n):
+    x0 = (2e4 + 1.2e4 * torch.rand(3000, generator=torch.Generator().manual_seed(rank), dtype=torch.float64))
+    p = torch.nn.Parameter(x0.half())
+    opt = decent_comm.DSGD([p], lr=0.0, topology="complete", broadcast_init=False, timeout=30)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.synchronize()
+    group_allreduce = opt._schedule.exchange.group_allreduce
+    used_groups = group_allreduce is not None and group_allreduce.bytes_sent > 0
+    sent, width = opt.bytes_sent, opt._schedule.buffers.group_width(opt._buckets)
+    opt.shutdown()
+    return x0.half(), p.detach().clone(), used_groups, sent, width
+
+
+def test_fp16_parameters_sum_group_steps_in_float32():
+    """fp16 parameters with no comm_dtype summed a group step in fp16: values near 3e4 over 4 ranks passed 65504
+    and a third of the parameters became inf at lr 0. The sum now runs in float32 (exact here: same binade, 4
+    ranks), so one step of complete (consensus 1) gives the float64 mean rounded once, and moves 4-byte elements."""
+    results = run_ranks(_fp16_group_step, 4, timeout=120)
+    want = (sum(x0.double() for x0, *_ in results) / 4).half()
+    for r, (_, x, used_groups, sent, width) in enumerate(results):
+        assert used_groups, r
+        assert torch.equal(x, want), (r, int((~torch.isfinite(x)).sum()), int((x != want).sum()))
+        # 2 all-reduces (AWC: the step launches the next one's) of 4-byte elements among 4 ranks
+        assert sent == 2 * 3000 * 4 * 2 * (4 - 1) // 4, (r, sent)
+        assert width == 2.0, (r, width)  # an adaptive topology prices a group step at twice a p2p step's bytes
+
+
 def _replicas_at_lr_0(rank, n):
     x0 = 1.25 + 1e-3 * torch.linspace(-1, 1, 500, dtype=torch.float64) * (rank - 1)  # replicas 1e-3 apart
     p = torch.nn.Parameter(x0.float())

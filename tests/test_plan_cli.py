@@ -80,6 +80,12 @@ def tiny_bf16_model():
     return model.to(torch.bfloat16), batch.to(torch.bfloat16)
 
 
+def tiny_fp16_model():
+    import torch
+    model, batch = tiny_model()
+    return model.to(torch.float16), batch.to(torch.float16)
+
+
 def raising_model():
     raise RuntimeError("no weights here")
 
@@ -100,6 +106,9 @@ def test_cli_measure_takes_the_models_parameter_dtype():
              (["--model", "test_plan_cli:tiny_model"], ["--model", "test_plan_cli:tiny_bf16_model"],
               ["--model", "test_plan_cli:tiny_bf16_model", "--param-dtype", "fp32"])]
     assert sizes == [4, 2, 4]
+    # an fp16 model: 2-byte parameters whose group steps sum in float32 (decent_comm/optim/wire_buffers.py)
+    inputs = json.loads(run_cli(base + ["--model", "test_plan_cli:tiny_fp16_model"])[1])["inputs"]
+    assert (inputs["param_bytes"], inputs["group_sum_bytes"]) == (2, 4)
     assert json.loads(run_cli(EXAMPLE + ["--json", "--no-sim"])[1])["inputs"]["param_bytes"] == 4  # fp32 default
 
 

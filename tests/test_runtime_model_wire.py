@@ -59,7 +59,7 @@ def test_recipe_wires_follow_the_parameters_dtype():
     assert [wire_bytes(w, 8) for w in ("fp32", "bf16", "int8")] == [8.0, 2.0, INT8]
 
 
-def test_plan_param_dtype_prices_a_bf16_model():
+def test_plan_param_dtype_prices_bf16_and_fp16_models():
     import json
     import subprocess
     import sys
@@ -72,12 +72,14 @@ def test_plan_param_dtype_prices_a_bf16_model():
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    fp32, bf16 = plan(), plan("--param-dtype", "bf16")
-    # complete: one group all-reduce a step, float32 sums for an fp32 model, bf16 for a bf16 one
+    fp32, bf16, fp16 = plan(), plan("--param-dtype", "bf16"), plan("--param-dtype", "fp16")
+    # complete: one group all-reduce a step, float32 sums for an fp32 model, bf16 for a bf16 one, float32 for an
+    # fp16 one (an fp16 sum overflows at 65504: decent_comm/optim/wire_buffers.py; priced as bf16's before)
     assert bf16["complete"]["comm_seconds"] < 0.6 * fp32["complete"]["comm_seconds"]
+    assert fp16["complete"]["comm_seconds"] == fp32["complete"]["comm_seconds"]
     # one-peer-exp is point to point over the bf16 wire either way, and DDP all-reduces the bf16 wire either way
     for name in ("one-peer-exp", "allreduce"):
-        assert bf16[name]["comm_seconds"] == fp32[name]["comm_seconds"]
+        assert bf16[name]["comm_seconds"] == fp32[name]["comm_seconds"] == fp16[name]["comm_seconds"]
 
 
 def test_schedule_comm_takes_a_topology_name_as_its_siblings_do():

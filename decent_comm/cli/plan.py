@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp16 (2), int8 (1, plus a 4-byte scale per 512), fp64 (8)")
     g.add_argument("--param-dtype", choices=("fp32", "bf16", "fp16", "fp64"), default=None,
                    help="the parameters' dtype (default: the measured model's, else fp32): group all-reduce steps "
-                        "and the default wire move it")
+                        "(fp16: summed in float32) and the default wire move it")
     g.add_argument("--compute", type=DURATION,
                    help="mean forward+backward+update time per step, e.g. 120ms")
     g.add_argument("--compute-std", type=DURATION, default=0.0,
@@ -151,8 +151,10 @@ def _measure(args, notes: list):
     if args.params is None:
         args.params = float(n_params)
     if args.param_dtype is None:
-        widest = max((p.element_size() for p in model.parameters()), default=4)
-        args.param_dtype = {2: "bf16", 4: "fp32", 8: "fp64"}.get(widest, "fp32")
+        widest = max(model.parameters(), key=lambda p: p.element_size(), default=None)
+        dtype = str(widest.dtype) if widest is not None else "torch.float32"
+        names = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float64": "fp64"}  # fp16: float32 sums
+        args.param_dtype = names.get(dtype, "fp32")
     if args.compute is None and args.compute_sample is None:
         args.compute_sample = times
     probe = measure.measure_link()
@@ -230,7 +232,8 @@ def build_inputs(args, parser):
                          "allreduce (DDP, which has no 8-bit wire) priced with gradients in the parameters' dtype")
     workload = Workload(params=args.params, compute=compute, bytes_per_param=WIRE_DTYPES[args.wire_dtype],
                         mode=args.mode, bucket_bytes=args.bucket_size, exchange=exchange,
-                        param_bytes=WIRE_DTYPES[args.param_dtype or "fp32"])
+                        param_bytes=WIRE_DTYPES[args.param_dtype or "fp32"],
+                        group_sum_bytes=4 if args.param_dtype == "fp16" else 0)  # fp16 sums run in float32
     return cluster, workload, notes
 
 

@@ -111,7 +111,7 @@ def to_dict(plan, cluster, workload, wire_dtype: str, notes=()) -> dict:
         "inter_bandwidth_bytes_per_s": cluster.inter_bandwidth, "intra_bandwidth_bytes_per_s": cluster.intra_bandwidth,
         "inter_latency_s": cluster.inter_latency, "intra_latency_s": cluster.intra_latency,
         "intra_sharing": cluster.intra_sharing, "backend": cluster.backend, "params": workload.params,
-        "param_bytes": workload.param_bytes,
+        "param_bytes": workload.param_bytes, "group_sum_bytes": workload.group_sum_bytes,
         "wire_dtype": wire_dtype,
         "bytes_per_rank": workload.bytes_per_rank, "compute_mean_s": c.mean, "compute_std_s": c.std,
         "compute_sample_size": len(c.sample) if c.sample is not None else None, "sigma2": c.cv2,

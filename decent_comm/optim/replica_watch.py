@@ -12,14 +12,27 @@ from . import finite_check
 from .buckets import adopt_storage
 
 
-def all_reduce_mean_(t: torch.Tensor, all_reduce, world_size: int, what: str):
-    """`all_reduce`: the schedule's BoundedAllReduce (held to the optimizer's timeout); `what` names the call in
-    its errors."""
-    all_reduce(t, what)
-    t.div_(world_size)
-
-
 _CHUNK = 1 << 20  # elements per temporary of the collective utilities (8 MiB in float64)
+
+
+def all_reduce_mean_(t: torch.Tensor, all_reduce, world_size: int, what: str):
+    """t <- the mean of t over the ranks. `all_reduce`: the schedule's BoundedAllReduce (held to the optimizer's
+    timeout); `what` names the call in its errors.
+
+    bf16/fp16 values are summed in float32, _CHUNK elements at a time (a float32 copy of at most 4 MiB, not of
+    the whole bucket), then rounded once: summed in fp16 the mean was inf wherever the sum passed 65504 (values
+    near 3e4 over 4 ranks: a third of them), and summed in bf16 every partial sum was rounded."""
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        all_reduce(t, what)
+        t.div_(world_size)
+        return
+    flat = t.view(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        part = flat[i:i + _CHUNK]
+        wide = part.float()
+        all_reduce(wide, what)
+        part.copy_(wide.div_(world_size))
+        all_reduce.let_go(wide)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from ..exchange import ranks_text
 from .agreement import announce
 from .amp import unscale_
+from .replica_watch import all_reduce_mean_
 from .tracing import traced
 
 
@@ -58,9 +59,9 @@ class WarmupAverage:
             b, s = slots[k]
             b.view(b.grad, s).zero_()
         unscale_(grad_scale, [b.grad for b in self.buckets])
-        for b in self.buckets:
-            self.all_reduce(b.grad, f"the warm-up gradient average of bucket {b.index}")
-            b.grad.div_(self.world_size)
+        for b in self.buckets:  # bf16/fp16 gradients summed in float32 (an fp16 sum overflows at 65504)
+            all_reduce_mean_(b.grad, self.all_reduce, self.world_size,
+                             f"the warm-up gradient average of bucket {b.index}")
         if absent:  # else nothing to learn from the counts: no host read of them
             used_anywhere = (used > 0).tolist()
             given = set()

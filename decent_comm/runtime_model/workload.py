@@ -20,7 +20,8 @@ three ranks, runs one all-reduce per group, any other step point to point),
 ``"group-allreduce"`` (every step that is uniform averaging over groups runs
 one all-reduce per group, as the seed library Decent-DP does). Under "auto" the 8-bit wire is always point
 to point and a bf16/fp16 wire's group steps sum in the parameters' dtype, ``param_bytes`` per element (4:
-float32, the default; 2: a bf16/fp16 model) (``group_bytes_per_rank``), as the optimizers do.
+float32, the default; 2: a bf16/fp16 model) (``group_bytes_per_rank``), as the optimizers do; an fp16 model's
+sums run in float32 (an fp16 sum overflows at 65504), which ``group_sum_bytes=4`` says.
 """
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ class Workload:
     bucket_bytes: float = DDP_BUCKET_BYTES
     exchange: str = "auto"
     param_bytes: float = 4
+    group_sum_bytes: float = 0  # under "auto", the least bytes per element a group step sums (4: fp16 parameters)
 
     def __post_init__(self):
         real(self.params, "params", low=0, tensor=True)  # validated, kept as given (a bool or a string is no count)
@@ -134,9 +136,10 @@ class Workload:
     def group_bytes_per_rank(self) -> float:
         """What a group all-reduce step sums per rank: ``B``, except that decent_comm's optimizers (``"auto"``)
         sum a bf16/fp16 wire's groups in the parameters' dtype, ``param_bytes`` (a sum in the wire dtype rounds
-        every partial sum: decent_comm/optim/wire_buffers.py)."""
+        every partial sum: decent_comm/optim/wire_buffers.py), and fp16 parameters' in float32, ``group_sum_bytes``
+        (an fp16 sum overflows at 65504)."""
         if self.exchange == "auto":
-            return float(self.params) * max(self.bytes_per_param, self.param_bytes)
+            return float(self.params) * max(self.bytes_per_param, self.param_bytes, self.group_sum_bytes)
         return self.bytes_per_rank
 
     @property
