@@ -11,9 +11,9 @@ import decent_comm
 from optim_reference import Reference
 
 
-def make_model(seed):
+def make_model(seed, dtype=torch.float32):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).to(dtype)
 
 
 def state_test_model(seed=0):
@@ -39,8 +39,9 @@ def batch(rank, t):
 def train_steps(rank, model, opt, steps, start=0, after_step=None):
     """`steps` steps of the tests' regression problem on rank's batches from step `start` on; after_step(t), if
     given, runs after each step (an lr scheduler, a measurement)."""
+    dtype = next(model.parameters()).dtype  # a half-precision model's batches in its dtype
     for t in range(start, start + steps):
-        x, y = batch(rank, t)
+        x, y = (v.to(dtype) for v in batch(rank, t))
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
@@ -55,14 +56,15 @@ def assert_every_rank_close(results, tol=1e-5):
 
 
 def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None, model_first=False, schedule=None,
-                        before_load=None):
+                        before_load=None, dtype=torch.float32):
     """Trains `total` steps straight, then again with a checkpoint (optimizer and model state_dict) at `stop` loaded
     into a new optimizer on other initial parameters; returns (largest deviation of the resumed run's final
     parameters from the straight run's, the checkpoint, on_load(new optimizer) right after loading, or None).
     `build(model)` makes the optimizer; `serialize`: the checkpoint goes through torch.save / torch.load
     (weights_only=True), as a file would; `model_first`: the model's state_dict is taken before the optimizer's;
     `schedule(opt)`, if given, makes an lr scheduler, stepped after each step and resumed from its state_dict;
-    `before_load(opt_sd)` edits the optimizer's checkpoint before it loads (as an earlier version saved it)."""
+    `before_load(opt_sd)` edits the optimizer's checkpoint before it loads (as an earlier version saved it); `dtype`:
+    the model's."""
     def run(model, opt, steps, start=0, sched_state=None):
         sched = schedule(opt) if schedule is not None else None
         if sched_state is not None:
@@ -70,13 +72,13 @@ def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None,
         train_steps(rank, model, opt, steps, start, after_step=None if sched is None else lambda t: sched.step())
         return None if sched is None else sched.state_dict()
 
-    model = make_model(rank)
+    model = make_model(rank, dtype)
     opt = build(model)
     run(model, opt, total)
     opt.synchronize()
     straight = flat_params(model)
     opt.shutdown()
-    model = make_model(rank)
+    model = make_model(rank, dtype)
     opt = build(model)
     sched_state = run(model, opt, stop)
     if model_first:
@@ -93,7 +95,7 @@ def resumed_vs_straight(rank, build, total, stop, serialize=False, on_load=None,
         ckpt = torch.load(buf, weights_only=True)
     if before_load is not None:
         before_load(ckpt[0])
-    model = make_model(10 + rank)
+    model = make_model(10 + rank, dtype)
     opt = build(model)
     model.load_state_dict(ckpt[1])
     opt.load_state_dict(ckpt[0])

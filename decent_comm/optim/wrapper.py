@@ -155,4 +155,23 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
                     raise ValueError(f"state {name!r} of parameter {key!r} {problem}: nothing was loaded")
 
     def _write_optimizer_state(self, state_dict: dict, loaded, param_of: dict):
-        self.inner.load_state_dict(state_dict)
+        # The round state (the int8 wire's copies, delayed_mix's correction) is float32 whatever the parameters' dtype,
+        # but the wrapped optimizer's load casts every floating entry to its parameter's: over bf16 parameters the
+        # copies came back rounded, and the resumed run left the uninterrupted one (0.0625 after 4 steps of SGD at 2
+        # ranks over the int8 wire). So the wrapped optimizer loads the rest, and the round state is put back beside
+        # it as saved, only moved to the parameter's device (_gather_round_state copies it into the flat buffers).
+        if "state" not in state_dict:  # torch's load says what is missing
+            return self.inner.load_state_dict(state_dict)
+        state, round_state = {}, {}
+        for key, st in state_dict["state"].items():
+            p = saved_param(param_of, key)
+            if p is None or not st:
+                state[key] = st
+                continue
+            is_round = {n: torch.is_tensor(v) and self._is_buffer_name(n) for n, v in st.items()}
+            state[key] = {n: v for n, v in st.items() if not is_round[n]}
+            round_state[p] = {n: v.to(device=p.device) for n, v in st.items() if is_round[n]}
+        self.inner.load_state_dict(dict(state_dict, state=state))
+        for p, entries in round_state.items():
+            if entries:
+                self.state[p].update(entries)
