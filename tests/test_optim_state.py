@@ -166,8 +166,10 @@ def _mix_kernel_ranges(rank, n):
     model = make_model(rank)
     opt = decent_comm.DAdamW(model.parameters(), topology="ring", timeout=30)
     train_steps(rank, model, opt, 1)  # (the first step only initializes the state)
+    # a new lr before each step: a step checks only the groups edited since the last check
+    opt.param_groups[0]["lr"] = 2e-3
     with profile() as prof:
-        train_steps(rank, model, opt, 3, start=1)
+        train_steps(rank, model, opt, 3, start=1, after_step=lambda t: opt.param_groups[0].update(lr=1e-3 * (t + 2)))
     buckets = len(opt._buckets)
     opt.shutdown()
     chains = []
@@ -183,7 +185,7 @@ def _mix_kernel_ranges(rank, n):
 
 
 def test_profiler_counts_the_real_mix_kernels_apart_from_the_hyper_parameter_check():
-    """Each step checks its hyper-parameters by a mix_adam_ call on a one-element meta stand-in (_check_values): in a
+    """A step checks edited hyper-parameters by a mix_adam_ call on a one-element meta stand-in (_check_values): in a
     trace it was a second top-level decent_comm::mix_adam_ per step, doubling the kernel count. Now it lies inside
     decent_comm::check_values, and the kernels inside mix_update are the real ones: one per bucket and step."""
     for buckets, chains in run_ranks(_mix_kernel_ranges, 2, timeout=120):

@@ -208,7 +208,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             self._ddp_guard.remove()
         check_param_groups(self.param_groups, self._groups_built)
         self._module_watch.check(f"{type(self).__name__}.step()")
-        self._check_group_options(self.param_groups)  # torch reads the options at every step: an edit must not pass
+        self._check_group_options(self.param_groups, changed_only=True)  # torch reads them at every step
         if closure is None and self._is_state_initialization():
             self._initialize_state()
             self._note_state()
@@ -273,7 +273,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             publish_state(b, self.state, stepped=[s.param.grad is not None for s in b.slots])
             b.template = True
 
-    def _check_group_options(self, groups: List[dict]) -> None:
+    def _check_group_options(self, groups: List[dict], changed_only: bool = False) -> None:
         """Raises ValueError for a param group asking for what this optimizer's update does not do (torch.optim
         reads such options per group: {"params": ..., "amsgrad": True}, or a torch optimizer's checkpoint)."""
 

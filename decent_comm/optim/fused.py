@@ -14,6 +14,7 @@ import torch
 from .. import ops
 from .._args import integer, is_bool, is_real
 from .base import DecentralizedMixin
+from .group_fingerprint import options_fingerprint
 from .startup import refusal_told
 from .step_counts import grads_present
 from .tracing import traced
@@ -98,15 +99,29 @@ class _FusedGroupOptions:
     """torch options that change the update and the fused kernels do not implement: refused in every param group
     too (constructor arguments, groups given as dicts, loaded checkpoints), as torch reads them per group."""
     _UNSUPPORTED = ("maximize", "differentiable")  # checked at construction, load and every step, as torch reads them
+    _accepted_options = None  # group_fingerprint.options_fingerprint of each live group when last accepted
 
-    def _check_group_options(self, groups):
-        name = type(self).__name__
+    def _check_group_options(self, groups, changed_only=False):
+        """changed_only (step()): only the live groups whose options differ from when they were last accepted
+        (group_fingerprint). Construction checks every group; load_state_dict every group it loads, after which the
+        next step checks every live group again (the fingerprints are dropped)."""
+        name, live = type(self).__name__, groups is self.param_groups
+        if not changed_only or self._accepted_options is None:
+            self._accepted_options = []
+        accepted = self._accepted_options
+        del accepted[len(groups):]
         for index, group in enumerate(groups):
+            math_dtype = self._math_dtype(index)
+            seen = options_fingerprint(group, index, math_dtype) if live else None
+            if changed_only and index < len(accepted) and accepted[index] == seen:
+                continue
             where = f" (param group {index})"
             _reject_unsupported(name, where, **{flag: group.get(flag) for flag in self._UNSUPPORTED})
             self._check_group(group, name + where)
             _check_group_tensors(group, name + where)
-            self._check_values(group, name + where, self._math_dtype(index))
+            self._check_values(group, name + where, math_dtype)
+            if live:  # (index <= len(accepted): every group before this one has its entry)
+                accepted[index:index + 1] = [seen]
 
     def _check_group(self, group, where):
         """Class-specific checks of one group; `where` names the optimizer and the group for the message."""
