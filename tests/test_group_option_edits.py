@@ -58,6 +58,10 @@ def _edits(kind):
         (lambda g: tensor_lr.fill_(2e-2), None),
         (lambda g: setattr(tensor_lr, "data", torch.tensor(-1.0)), ("param group 1", "lr")),
         (lambda g: setattr(tensor_lr, "data", torch.tensor(1e-2)), None),
+        (lambda g: tensor_lr.data.fill_(-1.0), ("param group 1", "lr")),  # no version bump, same storage
+        (lambda g: tensor_lr.data.fill_(1e-2), None),
+        (lambda g: tensor_lr.numpy().__setitem__((), -1.0), ("param group 1", "lr")),  # likewise
+        (lambda g: tensor_lr.numpy().__setitem__((), 1e-2), None),
         (lambda g: g.update(lr=array_lr), None),
         (lambda g: array_lr.fill(-1.0), ("param group 1", "lr")),
         (lambda g: array_lr.fill(1e-2), None),

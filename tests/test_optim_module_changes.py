@@ -6,6 +6,8 @@ test_optim_misuse.py."""
 import re
 import time
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -348,6 +350,44 @@ def test_weight_norm_registered_after_construction_is_refused_naming_it():
     opt = decent_comm.DSGD(model.parameters(), lr=0.1, model=model)
     torch.nn.utils.parametrizations.weight_norm(model[0])
     _loss(model).backward()
-    with pytest.raises(RuntimeError, match=r"DSGD\.step\(\): the model's '0\.weight' was parametrized .*"
+    with pytest.raises(RuntimeError, match=r"DSGD\.step\(\): the model's '0\.weight' was made into Parameters .*"
                                            r"'0\.parametrizations\.weight\.original0'.* before building the optimizer"):
         opt.step()
+
+
+def test_the_old_weight_norm_registered_after_construction_is_refused():
+    """torch.nn.utils.weight_norm (deprecated, common in older code) deletes `weight` for new Parameters weight_g and
+    weight_v, with no `parametrizations.` in their names: it went unnoticed, weight_v frozen."""
+    model = make_model(0)
+    opt = decent_comm.DSGD(model.parameters(), lr=0.1, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (its deprecation)
+        torch.nn.utils.weight_norm(model[0])
+    _loss(model).backward()
+    with pytest.raises(RuntimeError, match=r"the model's '0\.weight' was made into Parameters .*'0\.weight_g'"):
+        opt.step()
+
+
+def test_a_module_removed_beside_one_parametrized_before_construction_is_no_error():
+    """weight_norm on the second layer before construction, then del model[0] (Sequential renumbers: '0.weight' is
+    gone, '0.parametrizations.weight.original0' is the optimizer's own) and a module assignment: it was refused as
+    a parametrization of the dropped weight. The remaining layer trains as torch.optim.SGD trains it."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 1, bias=False))
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = []
+    for model, make in zip(models, (lambda ps, m: decent_comm.DSGD(ps, lr=0.1, model=m),
+                                    lambda ps, m: torch.optim.SGD(ps, lr=0.1))):
+        torch.nn.utils.parametrizations.weight_norm(model[1])
+        opts.append(make(model.parameters(), model))
+        del model[0]
+        model.extra = torch.nn.Identity()
+    x = torch.randn(8, 4)
+    for model, opt in zip(models, opts):
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)

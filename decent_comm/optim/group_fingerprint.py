@@ -4,27 +4,11 @@ per group and step (the meta-device kernel call of _check_values most of it): at
 16 ms DAdamW step. torch reads the options at every step, so the fingerprint must change with every edit that could
 change whether the group is refused."""
 
-import torch
-
 from .checkpointing import SCHEDULE_KEY
 
 # Immutable values, compared by type and value: True == 1 == 1.0, but a bool is refused where a number is taken.
-# (A NaN never equals another NaN object: its group is simply checked again.)
+# (A NaN lr is never accepted, so never compared.)
 _PLAIN = (int, float, bool, str, complex, type(None))
-
-
-class _Same:
-    """A tensor option (a tensor lr, betas of tensors) is equal only as the same object, holding it so that its id is
-    not reused by a new tensor; the caller adds its version counter (an in-place lr.fill_(-1.0) bumps it), storage
-    address (lr.data = ..., which does not), dtype and shape."""
-    __slots__ = ("obj",)
-    __hash__ = None
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other):
-        return isinstance(other, _Same) and other.obj is self.obj
 
 
 def _value(v):
@@ -33,12 +17,10 @@ def _value(v):
         return kind, v
     if kind in (tuple, list):
         return kind, tuple(_value(x) for x in v)
-    if isinstance(v, torch.Tensor):
-        try:
-            return _Same(v), v._version, v.data_ptr(), v.dtype, v.device, v.shape
-        except RuntimeError:  # a tensor without plain storage (sparse, ...): checked every time
-            return object()
-    return object()  # anything else may change in place (a numpy array, a dict): a new object() never equals it
+    # Anything else may change in place without a trace: a tensor (lr.data.fill_(-1.0), lr.numpy()[()] = -1 bump
+    # neither its version counter nor its storage; skipped, the bad lr reached the kernel after other groups had
+    # stepped), a numpy array, a dict. A new object() never equals it: such a group is checked at every step.
+    return object()
 
 
 def options_fingerprint(group, index, math_dtype):

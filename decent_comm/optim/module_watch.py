@@ -100,7 +100,7 @@ class ModuleWatch:
             _walk(self._model, "", None, now, set())
             held = {path: q for _, _, q, path in now}
             _compare(self._entries, [held.get(path) for _, _, _, path in self._entries], self._watched, what)
-            _check_reparametrized(self._entries, held, what)
+            _check_reparametrized(self._entries, held, self._watched, what)
             self._record()
         elif not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._firsts)):
             _compare(self._entries, [d.get(name) for d, name, _, _ in self._entries], self._watched, what)
@@ -129,25 +129,33 @@ def _replaced(path: str, q: torch.Tensor, what: str) -> RuntimeError:
         "optimizer for the model as it is now and load this one's state_dict() into it.")
 
 
-def _check_reparametrized(entries, held, what: str) -> None:
-    """Raises for the first entry whose name vanished into a parametrization (`<prefix>parametrizations.<name>.`
-    holds tensors now) while its Parameter is held nowhere in the model (`held`: path -> tensor, the whole model):
-    weight_norm registered after the optimizer was built made new Parameters original0/original1 from the weight.
-    orthogonal or spectral_norm keep the same object as `...original`, which is reachable: no error."""
-    reachable = None
-    for _, name, p, path in entries:
-        if path in held:
-            continue
-        inner = f"{path[:len(path) - len(name)]}parametrizations.{name}."
-        new = [k for k in held if k.startswith(inner)]
-        if not new:
-            continue
-        if reachable is None:
-            reachable = {id(q) for q in held.values()}
-        if id(p) not in reachable:
+def _check_reparametrized(entries, held, watched, what: str) -> None:
+    """Raises for the first entry whose name vanished while its module gained Parameters made from it that the
+    optimizer does not hold, and its Parameter is held nowhere in the model (`held`: path -> tensor, the whole model
+    now; `watched`: the ids of the optimizer's parameters): a weight_norm registered after the optimizer was built
+    (parametrize's `parametrizations.weight.original0/1`, the old torch.nn.utils.weight_norm's `weight_g` /
+    `weight_v`), so the optimizer would train a copy nothing reads. orthogonal or spectral_norm keep the same object
+    as `...original`, which is reachable; `bias = None` adds nothing; `del model[0]` renumbers modules whose
+    Parameters the optimizer holds: no error."""
+    vanished = [(name, p, path) for _, name, p, path in entries if path not in held]
+    if not vanished:
+        return
+    unheld = {}  # a module's prefix -> the local names of its Parameters (its parametrizations' too) not held
+    for k, q in held.items():
+        if id(q) not in watched:
+            cut = k.find("parametrizations.")
+            cut = cut if cut == 0 or (cut > 0 and k[cut - 1] == ".") else k.rfind(".") + 1
+            unheld.setdefault(k[:cut], []).append(k[cut:])
+    reachable = {id(q) for q in held.values()}
+    for name, p, path in vanished:
+        prefix = path[:len(path) - len(name)]
+        new = [prefix + k for k in unheld.get(prefix, ())
+               if k.startswith(f"parametrizations.{name}.") or ("." not in k and k.startswith(name))]
+        if new and id(p) not in reachable:
             raise RuntimeError(
-                f"decent_comm: {what}: the model's {path!r} was parametrized (torch.nn.utils.parametrize) into "
-                f"Parameters the optimizer does not hold ({', '.join(repr(k) for k in new)}), and the model no longer "
-                "holds the optimizer's parameter anywhere: the optimizer would go on updating and exchanging that one, "
-                "which nothing reads, and never train the new ones. Register parametrizations (weight_norm, ...) "
-                "before building the optimizer, or build a new optimizer for the model as it is now.")
+                f"decent_comm: {what}: the model's {path!r} was made into Parameters the optimizer does not hold "
+                f"({', '.join(repr(k) for k in new[:4])}; a weight_norm or another parametrization registered after "
+                "the optimizer was built), and the model no longer holds the optimizer's parameter anywhere: the "
+                "optimizer would go on updating and exchanging that one, which nothing reads, and never train the new "
+                "ones. Register parametrizations before building the optimizer, or build a new optimizer for the model "
+                "as it is now.")
