@@ -50,6 +50,9 @@ def test_a_bf16_models_group_steps_move_its_two_bytes():
     assert _seconds(bf16_model, complete) == _seconds(_work(2, "group-allreduce"), complete)
     with pytest.raises(ValueError, match="param_bytes must be 2"):
         Workload(params=1, compute=ComputeTime(0.01), param_bytes=3)
+    for bad in (2, 8, True, -4.0, float("nan")):  # (taken before: priced as max(bytes, bad))
+        with pytest.raises(ValueError, match="group_sum_bytes must be 0"):
+            Workload(params=1, compute=ComputeTime(0.01), group_sum_bytes=bad)
 
 
 def test_recipe_wires_follow_the_parameters_dtype():

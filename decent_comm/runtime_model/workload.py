@@ -126,6 +126,9 @@ class Workload:
         real(self.bucket_bytes, "bucket_bytes", low=0, low_open=True, finite=False)  # inf: one bucket
         if self.param_bytes not in (2, 4, 8):
             raise ValueError(f"param_bytes must be 2 (bf16/fp16), 4 (fp32) or 8 (fp64), got {self.param_bytes!r}")
+        if self.group_sum_bytes not in (0, 4) or isinstance(self.group_sum_bytes, bool):
+            raise ValueError(f"group_sum_bytes must be 0 (the parameters' own) or 4 (fp16 parameters, summed in "
+                             f"float32), got {self.group_sum_bytes!r}")
 
     @property
     def bytes_per_rank(self) -> float:
