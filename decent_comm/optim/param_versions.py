@@ -65,10 +65,21 @@ def check_before_mix(buckets, before_copy, siblings) -> None:
     (adopt_storage), or the mix went to the buffer it no longer reads and the next step copied its unmixed values
     over it (the mix lost for that parameter). `before_copy`, `siblings`: as adopt_storage's."""
     check_unwritten(buckets)
+    before_copy = checked_first(before_copy, siblings)
     for b in buckets:
         if not b.cache.params_unchanged():  # (a cheap key: else every slot is still its view)
             adopt_storage(b, before_copy, siblings)
             b.cache.note_params()
+
+
+def checked_first(complete_transfers, buckets):
+    """`complete_transfers` (the schedule's: it notes every bucket landed) after check_unwritten(`buckets`): called
+    as adopt_storage's before_copy for one parameter's new storage, it forgot the notes of all the others, so a
+    write to another bucket still on the wire passed (ATC's pending mix, a collective utility's adoption)."""
+    def complete():
+        check_unwritten(buckets)
+        complete_transfers()
+    return complete
 
 
 def _raise_if_converted(buckets) -> None:

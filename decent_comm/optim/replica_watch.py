@@ -10,6 +10,7 @@ from .._args import integer
 from .agreement import announce
 from . import finite_check
 from .buckets import adopt_storage
+from .param_versions import checked_first
 
 
 _CHUNK = 1 << 20  # elements per temporary of the collective utilities (8 MiB in float64)
@@ -124,7 +125,8 @@ class ReplicaWatch:
             self._schedule.exchange.check_group(what)
         self._module_watch.check(what)  # the model's parameters are still the buckets' (module_watch)
         for b in self._buckets:  # the parameters a utility reads and writes are the buckets' (model.half() is not)
-            adopt_storage(b, before_copy=self._schedule.complete_transfers, siblings=self._buckets)
+            adopt_storage(b, before_copy=checked_first(self._schedule.complete_transfers, self._buckets),
+                          siblings=self._buckets)
         announce(self._schedule.all_reduce, what, self._schedule.t, sizes)
 
     @property
