@@ -67,7 +67,7 @@ def check_before_mix(buckets, before_copy, siblings) -> None:
     check_unwritten(buckets)
     before_copy = checked_first(before_copy, siblings)
     for b in buckets:
-        if not b.cache.params_unchanged():  # (a cheap key: else every slot is still its view)
+        if not b.cache.params_in_place():  # (addresses only: else every slot is still its view)
             adopt_storage(b, before_copy, siblings)
             b.cache.note_params()
 
