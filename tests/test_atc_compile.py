@@ -173,3 +173,16 @@ def _compiled_after_the_optimizer(rank, n):
 
 def test_a_model_compiled_after_the_optimizer_is_not_warned_of():
     assert run_ranks(_compiled_after_the_optimizer, 2, timeout=300) == [[], []]
+
+
+@pytest.mark.skipif("reason" not in __import__("inspect").signature(torch.compiler.disable).parameters,
+                    reason="this torch's torch.compiler.disable takes no reason")
+def test_fullgraph_refused_under_a_global_atc_hook_says_to_pass_model():
+    """Without model= the ATC hook is global and never traced, so fullgraph=True fails for any model of the process,
+    an unrelated teacher too; Dynamo's hint was only "Remove the torch.compiler.disable call"."""
+    torch._dynamo.reset()
+    opt = decent_comm.DSGD(torch.nn.Linear(4, 4).parameters(), lr=0.1, mode="atc")
+    teacher = torch.compile(torch.nn.Linear(4, 4), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"(?s)built without model=.*pass model= to the optimizer"):
+        teacher(torch.randn(2, 4))
+    opt.shutdown()

@@ -106,7 +106,7 @@ class MixBeforeUse:
             # one's WeakKeyDictionary lookup of the module failed the compile (Dynamo: the module "is already
             # tracked for mutation"). Disabled, it makes Dynamo run the modules with parameters eagerly (any
             # compiled model's, while this optimizer lives): correct, not compiled. model= hooks do trace.
-            self._global_handles.append(register_module_forward_pre_hook(torch.compiler.disable(self._hook)))
+            self._global_handles.append(register_module_forward_pre_hook(_never_traced(self._hook)))
         # Removed with the schedule even without shutdown() (the global hook lives in a process-wide dict), at the
         # next safe point (_orphaned).
         self._finalizer = weakref.finalize(schedule, _let_go, self._global_handles, self._handles)
@@ -242,6 +242,20 @@ class MixBeforeUse:
 
     def remove(self):
         self._finalizer()
+
+
+_NO_MODEL = ("decent_comm: an ATC optimizer built without model= keeps a global forward pre-hook that Dynamo "
+             "cannot trace, so every compiled module holding parameters runs eagerly and fullgraph=True fails, for "
+             "any model of this process while that optimizer lives: pass model= to the optimizer to compile")
+
+
+def _never_traced(hook):
+    """torch.compiler.disable(hook) with a reason fullgraph=True's error shows (its hint was only "Remove the
+    torch.compiler.disable call", which no user can); torch builds without `reason` take the hook as it is."""
+    try:
+        return torch.compiler.disable(hook, reason=_NO_MODEL)
+    except TypeError:
+        return torch.compiler.disable(hook)
 
 
 def _warn_if_compiled_before(model: torch.nn.Module, rank: Optional[int]) -> None:
