@@ -50,7 +50,7 @@ def build_extension():
         cxx_flags.append("-g0")
     define_macros = []
     include_dirs = [os.path.join(ROOT, "csrc")]
-    extra_link_args = ["-fopenmp"]
+    extra_link_args = list(flags.LINK_FLAGS)
     use_cuda, why = want_cuda()
     if not use_cuda:
         log(f"building the CPU kernels only: {why}")

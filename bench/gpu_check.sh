@@ -80,6 +80,10 @@ if ! bounded 300 "$PY" setup.py -q build_ext --inplace > "$W/gpu_build.log" 2>&1
 fi
 "$PY" -c "import decent_comm, decent_comm.exchange as e; print('built: cuda kernels', decent_comm._native.built_with_cuda(),
       '| NCCL transport', e.nccl_available(), decent_comm._native.nccl_version())"
+# Which C++ runtime the extension uses: a compiler that links libstdc++ statically puts a second copy in _C.so
+# (setup.py keeps it private; a copy whose symbols leaked segfaulted the first C++ error message with an integer).
+echo "C++ runtime: $(ldd decent_comm/_C*.so | grep -oE 'libstdc\+\+[^ ]* => [^ ]*' || echo 'no libstdc++.so (static)')," \
+     "$(nm -D --defined-only decent_comm/_C*.so | grep -c '_ZNSt6locale') std::locale symbols exported"
 
 step "tests (failures and skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
 # -k matches module names too: all of test_ops_cuda_graph.py (graph capture, the device-scalar path), the cuda

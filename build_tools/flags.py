@@ -13,6 +13,13 @@ CXX_STD = "-std=c++20"
 # floating-point exception flags, and without it g++ keeps the codec's clamps and maxima as branches (scalar).
 CXX_FLAGS = [CXX_STD, "-O3", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-Wall",
              "-Wno-unknown-pragmas"]
+# --exclude-libs,ALL: what the link takes from static archives stays private to the library. A compiler that links
+# libstdc++ statically (the GPU machine's /opt/gcc put std::ostream code inside _C.so) otherwise exports that copy's
+# symbols, and the libstdc++.so that torch loaded first, process-wide, takes part of them over: the two copies'
+# locales mix, and formatting an integer into a C++ error message lost the integer and the rest of the message
+# (here) or segfaulted (there: Exchanger.exchange refusing a peer outside the world). With a dynamic libstdc++ it
+# changes nothing. tests/test_build_link.py links a library so, with and without these flags.
+LINK_FLAGS = ["-fopenmp", "-Wl,--exclude-libs,ALL"]
 NVCC_FLAGS = [CXX_STD, "-O3", "-lineinfo", "--expt-relaxed-constexpr"]
 CUDA_MACRO = "DECENT_COMM_WITH_CUDA"
 NCCL_MACRO = "DECENT_COMM_WITH_NCCL"
