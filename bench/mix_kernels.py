@@ -95,10 +95,16 @@ def cupy_mix(k):
         import cupy
     except ImportError:
         return None
-    params = ", ".join([f"raw T{j} y{j}" for j in range(k)])
+    # One type placeholder for every neighbour: CuPy takes a single letter as a placeholder (T0 is read as a dtype
+    # name and refused); the neighbours of one call share a dtype.
+    params = ", ".join([f"raw T y{j}" for j in range(k)])
     weights = ", ".join([f"float32 w{j}" for j in range(k)])
     body = "float acc = sw * (float)x;" + "".join(f" acc += w{j} * (float)y{j}[i];" for j in range(k)) + " x = acc;"
-    kernel = cupy.ElementwiseKernel(f"float32 sw, {weights}, {params}", "float32 x", body, f"dc_mix_{k}")
+    try:
+        kernel = cupy.ElementwiseKernel(f"float32 sw, {weights}, {params}", "float32 x", body, f"dc_mix_{k}")
+    except Exception as exc:  # noqa: BLE001 - a competitor CuPy cannot build is left out, like one that fails to run
+        print(f"  [cupy left out: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}]", flush=True)
+        return None
 
     def run(x, ys, sw, ws):
         kernel(sw, *ws, *[cupy.from_dlpack(y) for y in ys], cupy.from_dlpack(x))
