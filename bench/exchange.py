@@ -17,7 +17,8 @@ Targets: ours/batch <= 1.05 (no overhead over torch's p2p), and ours-one-peer-ex
 --nccl-self (one GPU): the NCCL transport's throughput, one rank exchanging with itself (the tests-only
 loopback: a send to and a receive from the own rank in one NCCL group), fp32 and with a bf16 wire, at 16M and
 64M elements; N back-to-back exchange+wait per pair of CUDA events, the median of the repetitions. GB/s counts
-the bytes sent; beside it the device's copy bandwidth (x.copy_(y), bytes read + written) of the same run.
+the bytes sent; beside it the device's copy bandwidth (x.copy_(y), bytes read + written) of the same run, and the
+host's median microseconds in exchange() and in wait() (each pair after a synchronize).
 """
 import argparse
 import datetime
@@ -137,6 +138,24 @@ def table(rows):
     return "\n".join(lines)
 
 
+def host_us(ex, send, recv, n):
+    """Median host microseconds of exchange() and of wait() on the NCCL self-exchange: the GPU time per exchange
+    barely grew with the bytes on the H200 (136 us at 64 MB, 153 us at 256 MB), so where the fixed part goes
+    (the host's enqueue, or the GPU) is the next question. Synchronized before each pair: an exchange waits for
+    nothing in front of it."""
+    exchange, wait = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ex.exchange(0, send, [recv], [0], [0])
+        t1 = time.perf_counter()
+        ex.wait(0)
+        wait.append(time.perf_counter() - t1)
+        exchange.append(t1 - t0)
+    torch.cuda.synchronize()
+    return statistics.median(exchange) * 1e6, statistics.median(wait) * 1e6
+
+
 def nccl_self(reps, inner=10, sizes=(1 << 24, 1 << 26)):
     """Rows of the NCCL self-exchange (see the module docstring) and the device copy bandwidth in GB/s."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -169,8 +188,10 @@ def nccl_self(reps, inner=10, sizes=(1 << 24, 1 << 26)):
                     ex.wait(0)
 
                 seconds = median_s(one)
+                host_exchange, host_wait = host_us(ex, send, recv, reps * inner)
                 rows.append(dict(numel=numel, wire=str(wire or send.dtype).replace("torch.", ""), median_s=seconds,
-                                 gbps=recv.nbytes / seconds / 1e9))
+                                 gbps=recv.nbytes / seconds / 1e9, host_exchange_us=host_exchange,
+                                 host_wait_us=host_wait))
     dist.destroy_process_group()
     return dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps, inner=inner, reps=reps, rows=rows)
 

@@ -108,9 +108,14 @@ def main():
     if not table("kernel benchmark", ["op", "elements", "k", "neighbours", "GB/s", "% copy", "speedup vs"],
                  None if mix is None else [mix_row(r) for r in mix["rows"] if r["n"] in sizes]):
         missing.append("kernel")
-    if not table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy"],
+    def host(r, key):  # absent from a JSON written before bench/exchange.py timed the host
+        return f"{r[key]:.0f}" if key in r else "?"
+
+    if not table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy",
+                                                  "host us: exchange()", "wait()"],
                  None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
-                                                 pct(r["gbps"])] for r in exchange["rows"]]):
+                                                 pct(r["gbps"]), host(r, "host_exchange_us"), host(r, "host_wait_us")]
+                                                for r in exchange["rows"]]):
         missing.append("NCCL self-exchange")
     cut = ()
     if args.cut and os.path.exists(args.cut):
