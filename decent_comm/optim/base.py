@@ -103,10 +103,9 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
             self._ddp_guard = DDPGuard(self, self._buckets, model)
             if self.world_size > 1:
                 config = replica_config(self._buckets, topology, self.param_groups, model,
-                                        optimizer=self._optimizer_name(),
-                                        mode=mode, comm_dtype=comm_dtype, exchange=exchange, consensus=consensus,
-                                        bucket_cap_mb=bucket_cap_mb, gossip_every=gossip_every,
-                                        warmup_steps=warmup_steps, delayed_mix=delayed_mix,
+                                        optimizer=self._optimizer_name(), mode=mode, comm_dtype=comm_dtype,
+                                        exchange=exchange, consensus=consensus, bucket_cap_mb=bucket_cap_mb,
+                                        gossip_every=gossip_every, warmup_steps=warmup_steps, delayed_mix=delayed_mix,
                                         broadcast_init=broadcast_init, check_finite=check_finite)
         if self.world_size > 1:
             verify_replicas(config, process_group, self.world_size, usable_timeout(timeout))
@@ -222,6 +221,7 @@ class DecentralizedMixin(StateDictMixin, ReplicaWatch, ReplicaAverages):
         if closure is not None and now.closure is None:
             with torch.enable_grad():
                 loss = closure()
+            check_unwritten(self._buckets, "in the closure step() evaluated")  # (it ran with the buckets on the wire)
         if self.mode == "atc" and now.closure is None:  # (not with a closure the wrapped optimizer runs after the mix)
             self._schedule.check_deferred_used()  # a bypassed hook, warned of before anything changes (see there)
         self._gather_grads()

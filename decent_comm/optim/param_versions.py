@@ -37,7 +37,7 @@ def note_landed(buckets) -> None:
         b.versions = None
 
 
-def check_unwritten(buckets) -> None:
+def check_unwritten(buckets, when: str = "between steps") -> None:
     """RuntimeError when user code wrote a parameter in place (load_state_dict, a pruning mask, clamp_) while its
     bucket was still being sent: a neighbour may have received a buffer part before, part after the write. A
     parameter converted meanwhile (model.to(...) with swapped tensors) is refused as converted instead. One given
@@ -54,7 +54,7 @@ def check_unwritten(buckets) -> None:
                 continue
             raise RuntimeError(
                 f"decent_comm: parameter {b.slots[i].label} (shape {tuple(b.slots[i].param.shape)}) was written "
-                "in place between steps while this rank was still sending it (the exchange sends the parameters "
+                f"in place {when} while this rank was still sending it (the exchange sends the parameters "
                 "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
                 "before writing parameters between steps.")
 
