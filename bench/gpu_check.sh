@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (torch + nvcc + CuPy present, no network, the system python3): build the
 # extension in place for the visible GPU only, run every CUDA test (the one-GPU NCCL transport tests must run:
-# a skipped one fails the check, since then NCCL moved no byte), time the kernels and the NCCL transport, and
-# print a compact table last. Budget: under 6 minutes on one H100 from a bare machine.
+# a skipped one fails the check, since then NCCL moved no byte), train a tiny LM on the GPU end to end, time the
+# kernels and the NCCL transport, and print a compact table last. Budget: under 6 minutes on one H100 from a bare
+# machine (3.5 minutes on an H200 without the LM step).
 #   bash bench/gpu_check.sh             the logs, JUnit XML and JSON packed into ${OUT:-bench/results}/gpu_check.tar.gz
 #   DRY_RUN=1 bash bench/gpu_check.sh   no GPU needed: every step on the CPU, small, to check this script
 # Every step runs under a timeout that leaves the summary its time before GPU_CHECK_SECONDS (default 450): a hung
@@ -82,8 +83,9 @@ fi
       '| NCCL transport', e.nccl_available(), decent_comm._native.nccl_version())"
 # Which C++ runtime the extension uses: a compiler that links libstdc++ statically puts a second copy in _C.so
 # (setup.py keeps it private; a copy whose symbols leaked segfaulted the first C++ error message with an integer).
-echo "C++ runtime: $(ldd decent_comm/_C*.so | grep -oE 'libstdc\+\+[^ ]* => [^ ]*' || echo 'no libstdc++.so (static)')," \
-     "$(nm -D --defined-only decent_comm/_C*.so | grep -c '_ZNSt6locale') std::locale symbols exported"
+stdcxx="$(ldd decent_comm/_C*.so | grep -oE 'libstdc\+\+[^ ]* => [^ ]*' || echo 'no libstdc++.so (static)')"
+locale_symbols="$(nm -D --defined-only decent_comm/_C*.so | grep -c '_ZNSt6locale')"
+echo "C++ runtime: $stdcxx, $locale_symbols std::locale symbols exported"
 
 step "tests (failures and skip reasons listed; a skipped one-GPU NCCL transport test counts as a failure)"
 # -k matches module names too: all of test_ops_cuda_graph.py (graph capture, the device-scalar path), the cuda
@@ -99,6 +101,12 @@ bounded 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 110 tests/tes
   --junitxml "$W/gpu_tests_nccl.xml" > "$W/gpu_tests_nccl.log" 2>&1
 grep -E "^(FAILED|ERROR|SKIPPED)" "$W/gpu_tests_nccl.log" | cut -c1-220
 tail -1 "$W/gpu_tests_nccl.log"
+
+step "end to end: train_lm under torchrun on one GPU (NCCL group), against the same job on the CPU, and resumed"
+bounded 200 "$PY" -m pytest -q -rfEs -p no:cacheprovider --timeout 170 tests/test_train_cuda.py \
+  --junitxml "$W/gpu_tests_train.xml" > "$W/gpu_tests_train.log" 2>&1
+grep -E "^(FAILED|ERROR)" "$W/gpu_tests_train.log" | cut -c1-220
+tail -1 "$W/gpu_tests_train.log"
 
 step "kernel benchmark ($SIZES elements; a failing competitor is left out, not fatal)"
 # shellcheck disable=SC2086
@@ -119,7 +127,8 @@ else
 fi
 
 step "summary"
-"$PY" bench/gpu_check_summary.py --junit "$W/gpu_tests_ops.xml" "$W/gpu_tests_nccl.xml" --cut "$W/gpu_check_cut.txt" \
+"$PY" bench/gpu_check_summary.py --junit "$W/gpu_tests_ops.xml" "$W/gpu_tests_nccl.xml" "$W/gpu_tests_train.xml" \
+  --cut "$W/gpu_check_cut.txt" \
   --mix "$W/mix_kernels_$DEVICE.json" --exchange "$W/exchange_nccl_self.json" --sizes "$SIZES" \
   | tee "$W/gpu_check_summary.txt"
 status=$?
