@@ -111,10 +111,12 @@ def main():
     def host(r, key):  # absent from a JSON written before bench/exchange.py timed the host
         return f"{r[key]:.0f}" if key in r else "?"
 
-    if not table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent", "% copy",
-                                                  "host us: exchange()", "wait()"],
+    # A loopback reads and writes each byte it sends, as the copy it is measured against: % copy counts both.
+    if not table("NCCL self-exchange benchmark", ["NCCL self-exchange", "elements", "wire", "GB/s sent",
+                                                  "% copy (2x sent)", "host us: exchange()", "wait()"],
                  None if exchange is None else [["exchange+wait", elements(r["numel"]), r["wire"], f"{r['gbps']:.0f}",
-                                                 pct(r["gbps"]), host(r, "host_exchange_us"), host(r, "host_wait_us")]
+                                                 pct(2 * r["gbps"]), host(r, "host_exchange_us"),
+                                                 host(r, "host_wait_us")]
                                                 for r in exchange["rows"]]):
         missing.append("NCCL self-exchange")
     cut = ()

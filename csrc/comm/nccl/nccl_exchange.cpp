@@ -101,14 +101,15 @@ void NcclTransport::swap_headers(const HeaderSwap& op) {
     cuda_check(cudaEventRecord(headers_, stream_), "cudaEventRecord (headers) on the comm stream", op.bucket);
     Progress& p = push_progress_locked(op.bucket, op.deadline, op.timeout, "size/dtype handshake");
     p.peers = op.edges;
-    for (int polls = 0;; ++polls) {
+    const Clock::time_point since = Clock::now();
+    for (;;) {
       poll_locked();  // past the deadline: aborts, and the next line raises the timeout
       ensure_live_locked();
       const cudaError_t q = cudaEventQuery(headers_);
       if (q == cudaSuccess) break;
       if (q != cudaErrorNotReady) cuda_check(q, "cudaEventQuery (headers)", op.bucket);
       lock.unlock();  // lets the watchdog in
-      backoff(polls);
+      backoff(since);
       lock.lock();
     }
   } catch (...) {
@@ -199,14 +200,15 @@ void NcclTransport::wait_again(TransportSlot& base) {
 }
 
 void NcclTransport::synchronize() {
-  for (int polls = 0;; ++polls) {
+  const Clock::time_point since = Clock::now();
+  for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       poll_locked();
       ensure_live_locked();
       if (count_ == 0) return;
     }
-    backoff(polls);  // outside the lock, so the watchdog is never held up
+    backoff(since);  // outside the lock, so the watchdog is never held up
   }
 }
 

@@ -42,8 +42,9 @@ namespace decent_comm::comm::nccl_detail {
 std::string nccl_text(ncclResult_t r, ncclComm_t comm);
 // Raises ExchangeError naming `what` (and the bucket when >= 0); the message is built only on failure.
 void cuda_check(cudaError_t err, const char* what, int64_t bucket = -1);
-// Sleeps a little longer each time: the first polls catch fast completions, later ones cost no CPU.
-void backoff(int polls);
+// Between two polls of a wait that began at `since`: yields for its first 200 us (NCCL's enqueue, fast
+// completions), then sleeps 50 us, then 1 ms past 20 ms (long waits cost no CPU).
+void backoff(Clock::time_point since);
 std::string bucket_context(int64_t bucket, const std::vector<PeerOp>& peers);
 
 struct NcclSlot final : TransportSlot {
@@ -149,7 +150,8 @@ class NcclTransport final : public Transport {
 template <class What>
 void NcclTransport::wait_comm_ready_locked(Clock::time_point deadline, std::chrono::milliseconds timeout,
                                            const What& what) {
-  for (int polls = 0;; ++polls) {
+  const Clock::time_point since = Clock::now();
+  for (;;) {
     ncclResult_t state = ncclInProgress;
     const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
     if (r != ncclSuccess) state = r;
@@ -166,7 +168,7 @@ void NcclTransport::wait_comm_ready_locked(Clock::time_point deadline, std::chro
       fail_locked(message, true);
       throw ExchangeTimeoutError(message);
     }
-    backoff(polls);
+    backoff(since);
   }
 }
 

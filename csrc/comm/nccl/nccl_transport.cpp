@@ -30,11 +30,18 @@ void cuda_check(cudaError_t err, const char* what, int64_t bucket) {
   }
 }
 
-void backoff(int polls) {
-  if (polls < 32) {
+void backoff(Clock::time_point since) {
+  // A non-blocking communicator hands every group to a thread of its own (NCCL's ncclGroupEndInternal; 2.28 and
+  // 2.30), ready some 25-60 us later: yielding through that costs little CPU, and the caller gets on at once. 32
+  // yields (18 us) before 50 us sleeps, which Linux's default timer slack stretches to ~130 us, put one sleep into
+  // nearly every exchange (a fixed ~130 us per exchange on the H200, docs/gpu_results.md). torch's
+  // ProcessGroupNCCL yields without sleeping at the same point.
+  const auto waited = Clock::now() - since;
+  if (waited < std::chrono::microseconds(200)) {
     std::this_thread::yield();
   } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(polls < 512 ? 50 : 1000));
+    std::this_thread::sleep_for(waited < std::chrono::milliseconds(20) ? std::chrono::microseconds(50)
+                                                                       : std::chrono::milliseconds(1));
   }
 }
 
