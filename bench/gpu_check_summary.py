@@ -101,7 +101,7 @@ def main():
 
     def mix_row(r):
         vs = "  ".join(f"{name} {x:.2f}x" for name, x in r["speedup"].items()
-                       if name in ("op_chain", "foreach", "cupy", "adamw+mix"))
+                       if name in ("op_chain", "foreach", "cupy", "lerp", "adamw+mix", "adamw_only"))
         return [r["op"], elements(r["n"]), str(r["k"]), r["nb_dtype"], f"{r['gbps']:.0f}", pct(r["gbps"]), vs]
 
     missing = []

@@ -44,7 +44,7 @@ def _write_in_closure(rank, n, mode, repoint):
             pass
 
 
-@pytest.mark.parametrize("mode, repoint", [("awc", False), ("awc", True), ("atc", False)])
+@pytest.mark.parametrize("mode, repoint", [("awc", False), ("awc", True), ("atc", False), ("atc", True)])
 def test_a_write_in_flight_inside_the_closure_is_refused_on_every_rank(mode, repoint):
     for m in run_ranks(_write_in_closure, 2, mode, repoint, timeout=120):
         assert "parameter 1 (shape (64, 64)) was written in place" in m and "still sending it" in m, m

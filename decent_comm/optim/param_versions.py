@@ -56,7 +56,7 @@ def check_unwritten(buckets, when: str = "between steps") -> None:
                 f"decent_comm: parameter {b.slots[i].label} (shape {tuple(b.slots[i].param.shape)}) was written "
                 f"in place {when} while this rank was still sending it (the exchange sends the parameters "
                 "themselves), so a neighbour may have received part old, part new values. Call opt.synchronize() "
-                "before writing parameters between steps.")
+                "before writing parameters (between steps, or in a closure before it writes them).")
 
 
 def check_before_mix(buckets, before_copy, siblings) -> None:
