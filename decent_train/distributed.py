@@ -15,9 +15,12 @@ log = logging.getLogger(__name__)
 
 
 def setup_logging(rank: int):
-    """INFO from rank 0, warnings and errors from every rank, each line tagged with its rank."""
+    """INFO from rank 0, warnings and errors from every rank, each line tagged with its rank. Python warnings too
+    (decent_comm says what a user should act on with warnings.warn): written to stderr by the warnings module, they
+    landed on rank 0's progress bar line, which log lines go around."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.captureWarnings(True)
 
 
 @dataclass
@@ -48,20 +51,43 @@ def init_distributed(device: str = "auto", timeout: Optional[float] = None) -> D
     without torchrun the example runs as a single process."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    env = DistEnv(local_rank=local_rank, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    env = DistEnv(local_rank=local_rank)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         env.device = torch.device("cuda", local_rank)
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+    if not dist.is_initialized() and launched():
         init_process_group_per_attempt("nccl" if use_cuda else "gloo", device_id=env.device if use_cuda else None)
         env.owns_group = True
         if timeout is not None:
             set_group_timeout(datetime.timedelta(seconds=timeout))
-    if dist.is_initialized():
+    if dist.is_initialized():  # (one process: a LOCAL_WORLD_SIZE inherited from a launcher is not its own)
         env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
-        if "LOCAL_WORLD_SIZE" not in os.environ:
-            env.local_world_size = env.world_size
+        env.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     return env
+
+
+# What torchrun sets beside WORLD_SIZE: without them there is no job to join, only a WORLD_SIZE left in the shell.
+LAUNCH_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(ValueError):
+    """WORLD_SIZE names several processes, but the variables torchrun sets beside it are not set."""
+
+
+def launched() -> bool:
+    """Whether this process is a rank of a job to join: WORLD_SIZE and torchrun's other variables. WORLD_SIZE=1
+    alone is one process (docs/api.md says to set it so); a larger one alone is refused (LaunchError) rather than
+    handed to torch's env:// rendezvous, which raised a traceback naming RANK."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        return False
+    missing = [v for v in LAUNCH_VARS if v not in os.environ]
+    if not missing:
+        return True
+    if world.strip() == "1":
+        return False
+    raise LaunchError(f"WORLD_SIZE={world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
+                      "launch the job with torchrun, or unset WORLD_SIZE (or set it to 1) for one process")
 
 
 def set_group_timeout(timeout: datetime.timedelta):
@@ -134,7 +160,7 @@ def job_world_size() -> int:
     still in gloo's connectFullMesh, which then failed with a traceback)."""
     if dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return int(os.environ["WORLD_SIZE"]) if launched() else 1
 
 
 def close_distributed(env: DistEnv):

@@ -25,8 +25,8 @@ import torch
 
 from .checkpoint import (Progress, apply_resumed_hyperparameters, auto_resume_dir, load_checkpoint, must_match,
                          save_checkpoint)
-from .distributed import (DistEnv, RendezvousTimeout, close_distributed, init_distributed, job_world_size, rank_seed,
-                          setup_logging)
+from .distributed import (DistEnv, LaunchError, RendezvousTimeout, close_distributed, init_distributed, job_world_size,
+                          rank_seed, setup_logging)
 from .flags import PROFILED, RESUME_AUTO, resolve_defaults
 from .lr_schedule import make_lr_scheduler
 from .plot import plot_runs
@@ -248,7 +248,7 @@ def run(args, build_task: Callable[[argparse.Namespace, DistEnv], Task], lr_defa
     setup_logging(int(os.environ.get("RANK", 0)))  # init_distributed may warn (restarts across nodes)
     try:
         env = init_distributed(args.device, getattr(args, "timeout", None))
-    except RendezvousTimeout as e:  # one line, exit 2, naming the attempt, instead of torch's key and traceback
+    except (RendezvousTimeout, LaunchError) as e:  # one line, exit 2, instead of torch's key and traceback
         raise SetupError(str(e), int(os.environ.get("RANK", 0))) from e
     setup_logging(env.rank)
     job = Job(args, env)

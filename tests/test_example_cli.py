@@ -81,9 +81,12 @@ def test_set_up_errors_are_one_line_and_exit_code_2(argv, says, capsys):
 
 
 def test_a_set_up_error_known_from_the_flags_is_said_by_local_rank_zero(capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before joining: no process group is created
+    # torchrun's variables of a 2-rank job; refused before joining: no process group is created
+    for name, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
     for local_rank, expected in (("1", ""), ("0", "--local-world-size 3 does not divide the 2 ranks")):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("RANK", local_rank)
         with pytest.raises(SystemExit):
             lm.main([*TINY, "--local-world-size", "3"])
         err = capsys.readouterr().err
