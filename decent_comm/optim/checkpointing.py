@@ -188,14 +188,18 @@ class StateDictMixin:
 
     def _publish_round_state(self, pending: bool):
         """A round in flight (delayed_mix, the int8 wire) and the int8 wire's public copies travel as per-parameter
-        state, so torch.save and DCP carry them."""
-        publish_named_state(self._buckets, self.state, CORRECTION, pending, self._round_state_for_stateless_params)
+        state, so torch.save and DCP carry them. What is left out of opt.state (parameters without state, under
+        Decentralized) is kept in _round_state_left_out for the state_dict."""
         # Not before the first step of an optimizer without state (its copies are zero, as a new one's): a state
         # that holds only them made torch.distributed.checkpoint skip its state initialization (a non-empty
         # opt.state), so a template without Adam's moments loaded none of them.
         copies = self._schedule.t > 0 or any(param_states(self.state))
-        for name in Int8Wire.state_names(self._buckets):
-            publish_named_state(self._buckets, self.state, name, copies, self._round_state_for_stateless_params)
+        self._round_state_left_out = {}
+        for name, present in [(CORRECTION, pending)] + [(n, copies) for n in Int8Wire.state_names(self._buckets)]:
+            left_out = publish_named_state(self._buckets, self.state, name, present,
+                                           self._round_state_for_stateless_params)
+            for p, view in left_out.items():
+                self._round_state_left_out.setdefault(p, {})[name] = view
 
     def _let_go(self):
         """After a step, what it no longer needs: the last whole-group all-reduces' tensors (exchange.bounded), and

@@ -252,18 +252,24 @@ def _detached_from_buckets(b: Bucket, i: int, name: str, value, bucket_memory: s
     return value.clone()
 
 
-def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> None:
+def publish_named_state(buckets: List[Bucket], state, name: str, present: bool, stateless_too: bool) -> dict:
     """opt.state[p][name]: views of each bucket's flat buffer `name` when `present` (for every parameter, or with
     `stateless_too` False only those that have state already: a wrapped torch optimizer initializes a parameter's
-    state only when it finds none); removed from opt.state otherwise."""
+    state only when it finds none); removed from opt.state otherwise. Returns {param: view} of those left out for
+    having no state, which a checkpoint must carry all the same (Decentralized._optimizer_state_dict)."""
+    left_out = {}
     for b in buckets:
         buf = b.state.get(name) if present else None
         for s in b.slots:
             st = state.get(s.param)
             if buf is not None and (st or stateless_too):
                 state[s.param][name] = b.view(buf, s)
-            elif st:
+                continue
+            if st:
                 st.pop(name, None)
+            if buf is not None:
+                left_out[s.param] = b.view(buf, s)
+    return left_out
 
 
 def drop_named_state(buckets: List[Bucket], state, prefix: str) -> None:
