@@ -175,6 +175,7 @@ void ProcessGroupTransport::start(TransportSlot& base, const BucketOp& op) {
   slot.tensors.push_back(payload);
   slot.tensors.insert(slot.tensors.end(), op.recvs.begin(), op.recvs.end());
   const int tag = tag_base_ + int(op.bucket);
+  std::vector<PgPending>& retired = retired_[op.bucket];  // created once per bucket
 
   PeerOp current{-1, false};
   try {
@@ -190,6 +191,9 @@ void ProcessGroupTransport::start(TransportSlot& base, const BucketOp& op) {
   } catch (const std::exception& e) {
     throw transfer_error(op.bucket, "posting the " + describe(current), e.what());
   }
+  // The previous round's Works, a full step after they completed: gloo's I/O thread let go of their buffers long
+  // ago, so this frees without spinning (see retired_). After posting, so the new transfers are not delayed.
+  retired.clear();
 }
 
 bool ProcessGroupTransport::wait_one(const c10::intrusive_ptr<c10d::Work>& work,
@@ -299,6 +303,12 @@ void ProcessGroupTransport::wait_all(const std::vector<PgPending>& pending, int6
 void ProcessGroupTransport::wait(TransportSlot& base) {
   auto& slot = static_cast<PgSlot&>(base);
   wait_all(slot.pending, slot.bucket, slot.deadline, slot.timeout, "");
+  // Completed: kept until the bucket's next start() rather than destroyed now (see retired_). Swapped, so the two
+  // vectors trade capacities and the steady state allocates nothing. A failed wait threw above: its operations stay in
+  // the slot, which keeps them alive forever (~PgSlot), as before.
+  std::vector<PgPending>& retired = retired_[slot.bucket];
+  retired.clear();  // empty already: start() cleared it
+  retired.swap(slot.pending);
   slot.release();
 }
 
