@@ -193,7 +193,9 @@ class StateDictMixin:
         # Not before the first step of an optimizer without state (its copies are zero, as a new one's): a state
         # that holds only them made torch.distributed.checkpoint skip its state initialization (a non-empty
         # opt.state), so a template without Adam's moments loaded none of them.
-        copies = self._schedule.t > 0 or any(param_states(self.state))
+        # Decentralized keeps the copies of parameters without state out of opt.state (_round_state_for_stateless_
+        # params), so the guard is not needed there, and a template without them loaded none under DCP (not exact).
+        copies = self._schedule.t > 0 or any(param_states(self.state)) or not self._round_state_for_stateless_params
         self._round_state_left_out = {}
         for name, present in [(CORRECTION, pending)] + [(n, copies) for n in Int8Wire.state_names(self._buckets)]:
             left_out = publish_named_state(self._buckets, self.state, name, present,

@@ -116,7 +116,16 @@ def check_schedule_state(where: Optional[dict], saved_state: dict, has_int8_wire
     if where.get("delayed_pending") and CORRECTION not in names:
         raise ValueError(f"the state dict's gossip schedule has a delayed_mix round in flight but no '{CORRECTION}' "
                          "state: torch.distributed.checkpoint loads only the state names the destination optimizer "
-                         "has (a new one has none in flight); save with torch.save, or where no round is in flight")
+                         "has (a new one has none in flight; the flattened form, only those its live opt.state "
+                         "shows); save with torch.save or DCP's nested form, or where no round is in flight")
+    corrected = sum(1 for st in saved_state.values() if isinstance(st, dict) and CORRECTION in st)
+    if where.get("delayed_pending") and corrected < num_params:
+        # The missing ones' round is dropped (their slots start at zero): silently 0.0087-0.12 off before.
+        warn_user(f"the state dict's delayed_mix round in flight has a '{CORRECTION}' for {corrected} of the "
+                  f"{num_params} parameters (torch.distributed.checkpoint drops the state of parameters with "
+                  "requires_grad=False; Decentralized(inner) saved it only for parameters with inner state before "
+                  "2026-11-30): the others' round is dropped, so the resumed run is exact only if their replicas were "
+                  "equal (frozen parameters)", rank)
     if has_int8_wire and not wire:
         # Before the first step the copies are zero and a state dict holds none of them: loading it restarts them
         # too (a rollback to step 0), silently.

@@ -191,7 +191,9 @@ class Decentralized(DecentralizedMixin, torch.optim.Optimizer):
 
     def _gather_round_state(self):
         super()._gather_round_state()
-        # In the flat buffers now: a parameter whose state was round state alone is given none again, or the wrapped
-        # optimizer, which initializes a parameter's state only when it finds none, would not create its own.
-        for p in [p for p, st in self.state.items() if st and all(self._is_buffer_name(n) for n in st)]:
+        # In the flat buffers now: a parameter whose state was round state alone (or nothing, once a restart dropped
+        # the copies) is given none again, or the wrapped optimizer, which initializes a parameter's state only when
+        # it finds none, would not create its own.
+        for p in [p for p, st in self.state.items() if torch.is_tensor(p) and isinstance(st, dict)
+                  and all(self._is_buffer_name(n) for n in st)]:
             del self.state[p]
