@@ -72,10 +72,30 @@ def check_options(*, timeout, comm_dtype, model=None, consensus=1.0, flags=()):
 
 
 def check_materialized(param_groups, world_size: int) -> None:
-    """Refuses parameters on the meta device at world size > 1: they have no values to exchange (the exchange failed
-    with "process group has no backend for meta tensors", naming neither). One process trains them as torch does."""
-    if world_size <= 1:
-        return
+    """At world size > 1, refuses parameters on the meta device and parameters on several devices (one process trains
+    them as torch does)."""
+    if world_size > 1:
+        _refuse_meta(param_groups, world_size)
+        _refuse_several_devices(param_groups)
+
+
+def _refuse_several_devices(param_groups) -> None:
+    """The exchange, its all-reduces and the warm-up run on one device (the first bucket's): a bucket on another
+    (a CPU-offloaded embedding beside a body on cuda:k, a model split over two GPUs) was accepted, and the first step
+    failed on every rank with "send is on <device> but this exchanger moves <device> buffers", naming no parameter."""
+    first = {}
+    for label, p in labelled_params(param_groups):
+        first.setdefault(p.device, label)
+    if len(first) > 1:
+        listed = ", ".join(f"{device} (parameter {label} first)" for device, label in first.items())
+        raise ValueError(f"the parameters are on {len(first)} devices: {listed}; a decentralized optimizer exchanges "
+                         "the buffers of one device: build one optimizer per device (the CPU one over a gloo group, "
+                         "process_group=dist.new_group(backend='gloo'), where the default group is NCCL)")
+
+
+def _refuse_meta(param_groups, world_size: int) -> None:
+    """Parameters on the meta device have no values to exchange (the exchange failed with "process group has no
+    backend for meta tensors", naming neither)."""
     meta = [f"parameter {label} (shape {tuple(p.shape)})" for label, p in labelled_params(param_groups)
             if p.device.type == "meta"]
     if meta:
