@@ -34,6 +34,7 @@ and leaves no rank with an exchanger, or a tag channel used up, that another ran
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -75,7 +76,7 @@ def _check_max_ctas(nccl_max_ctas) -> Optional[int]:
     return integer(nccl_max_ctas, "nccl_max_ctas", low=1, where="Exchanger")
 
 
-def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int) -> Optional[str]:
+def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int, device=None) -> Optional[str]:
     """Raises on every rank of `group` if any rank refused its arguments (`problem`): construction is all or
     nothing, so no rank keeps an exchanger (or has used up a tag channel) that another rank lacks. The ranks
     first meet within the timeout (ms; <= 0: the group's own), or all raise ExchangeTimeout naming the absent.
@@ -85,8 +86,13 @@ def _agree_on_arguments(group, problem: Optional[Exception], timeout_ms: int) ->
     if world_size > 1:
         namespace = wait_for_ranks(group, timeout_ms / 1000.0 if timeout_ms > 0 else None, "creating an Exchanger")
         verdicts = [None] * world_size
-        dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
-                               group=group)
+        # Over a NCCL group the objects travel on torch's current CUDA device: this exchanger's, not cuda:0 on
+        # every rank where the script put its parameters on cuda:k without torch.cuda.set_device (review GH). Only a
+        # device that resolved without a problem is entered (a refused one may not exist).
+        on = device if problem is None and isinstance(device, torch.device) and device.type == "cuda" else None
+        with torch.cuda.device(on) if on is not None else contextlib.nullcontext():
+            dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}",
+                                   group=group)
     if problem is not None:
         raise problem
     if world_size > 1:
@@ -180,7 +186,7 @@ class Exchanger(_C._Exchanger):
                 transport = _C._process_group_transport(group, device)
         except Exception as exc:  # noqa: BLE001 - any refusal, of any type, is told to every rank before it is raised
             problem = exc
-        namespace = _agree_on_arguments(group, problem, timeout_ms)
+        namespace = _agree_on_arguments(group, problem, timeout_ms, device)
         if use_nccl:  # collective itself, so only once every rank is known to get here
             transport = _nccl_transport(group, device, timeout_ms, nccl_max_ctas)
         super().__init__(transport, timeout_ms, wire_dtype, _allow_self_exchange)

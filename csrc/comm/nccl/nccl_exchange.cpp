@@ -38,7 +38,10 @@ NcclSlot::~NcclSlot() {
   }
   // Safe even if the event is pending (its resources are released once it completes); errors at
   // interpreter exit (CUDA already unloading) are deliberately ignored.
-  if (done != nullptr) (void)cudaEventDestroy(done);
+  if (done != nullptr) {
+    const OnDevice on(device);
+    (void)cudaEventDestroy(done);
+  }
 }
 
 void NcclSlot::release() {
@@ -51,11 +54,13 @@ void NcclSlot::release() {
 std::unique_ptr<TransportSlot> NcclTransport::make_slot() {
   const c10::cuda::CUDAGuard guard{device_index()};
   auto slot = std::make_unique<NcclSlot>();
+  slot->device = device_index();
   cuda_check(cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming), "cudaEventCreate (bucket event)");
   return slot;
 }
 
 void NcclTransport::swap_headers(const HeaderSwap& op) {
+  const OnDevice on(device_index());  // (before poll_locked's event queries)
   std::unique_lock<std::mutex> lock(mu_);
   poll_locked();
   ensure_live_locked();
@@ -187,6 +192,7 @@ void NcclTransport::order_current_stream_after_locked(const NcclSlot& slot) {
 
 void NcclTransport::wait(TransportSlot& base) {
   auto& slot = static_cast<NcclSlot&>(base);
+  const OnDevice on(device_index());  // (before poll_locked's event queries)
   std::lock_guard<std::mutex> lock(mu_);
   order_current_stream_after_locked(slot);
   // The caller's stream is now ordered after the transfer: memory freed from here on is only reused by
@@ -195,11 +201,13 @@ void NcclTransport::wait(TransportSlot& base) {
 }
 
 void NcclTransport::wait_again(TransportSlot& base) {
+  const OnDevice on(device_index());
   std::lock_guard<std::mutex> lock(mu_);
   order_current_stream_after_locked(static_cast<NcclSlot&>(base));
 }
 
 void NcclTransport::synchronize() {
+  const OnDevice on(device_index());
   const Clock::time_point since = Clock::now();
   for (;;) {
     {

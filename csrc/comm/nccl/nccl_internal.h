@@ -21,6 +21,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -47,7 +48,29 @@ void cuda_check(cudaError_t err, const char* what, int64_t bucket = -1);
 void backoff(Clock::time_point since);
 std::string bucket_context(int64_t bucket, const std::vector<PeerOp>& peers);
 
+// The transport's device current on the calling thread for a scope, raising nothing (noexcept paths, destructors)
+// and creating no context on the device it goes back to (c10's MaybeSetDevice). A thread that has made no CUDA call
+// is on device 0, where the transport's first event query created a context: ~0.5 GiB of GPU 0 from every rank of a
+// node whose exchanger was checked, synchronized or closed from such a thread (a collector or user thread).
+class OnDevice {
+ public:
+  explicit OnDevice(c10::DeviceIndex device) noexcept : device_(device) {
+    if (c10::cuda::GetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device_) (void)c10::cuda::SetDevice(device_);
+  }
+  ~OnDevice() {
+    if (previous_ >= 0 && previous_ != device_) (void)c10::cuda::MaybeSetDevice(previous_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  c10::DeviceIndex device_;
+  c10::DeviceIndex previous_ = -1;
+};
+
 struct NcclSlot final : TransportSlot {
+  c10::DeviceIndex device = -1;  // the transport's: current while `done` is destroyed
   cudaEvent_t done = nullptr;  // recorded on the comm stream after the bucket's transfers
   // The stash: everything the comm stream reads or writes for this bucket, alive until wait().
   at::Tensor send;  // the caller's buffer (read by the wire cast, or sent as is)

@@ -248,20 +248,30 @@ void NcclTransport::raise_if_failed_locked() const {
 }
 
 void NcclTransport::check() {
+  const OnDevice on(device_index());
   std::lock_guard<std::mutex> lock(mu_);
   poll_locked();
   ensure_live_locked();
 }
 
 void NcclTransport::watchdog_loop() {
-  // Event queries need this thread on the transport's device; without it the caller-side checks still run.
-  if (cudaSetDevice(device_index_) != cudaSuccess) return;
+  // Event queries need this thread on the transport's device. Without it only the caller-side checks run, and a
+  // caller blocked in its own CUDA synchronization behind a stuck transfer is never aborted: said, not silent.
+  if (cudaSetDevice(device_index_) != cudaSuccess) {
+    TORCH_WARN("decent_comm NCCL transport: its watchdog could not set device ", device_index_,
+               "; timeouts are enforced only inside exchange(), wait() and synchronize()");
+    return;
+  }
   // torch.cuda.graph captures in the global mode by default, in which an event query from any other thread is a
   // prohibited call that invalidates the capture (and fails here): a user capturing forward and backward while an
   // exchange is in flight. This thread's queries touch no captured stream, so it runs in the relaxed mode, as
   // torch's own NCCL watchdog does.
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) return;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+    TORCH_WARN("decent_comm NCCL transport: its watchdog could not enter the relaxed capture mode; timeouts are "
+               "enforced only inside exchange(), wait() and synchronize()");
+    return;
+  }
   const auto period = std::clamp(timeout_ / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_ && !runtime_unloading_) {
@@ -296,6 +306,7 @@ void NcclTransport::abort_comm_locked() noexcept {
 }
 
 void NcclTransport::abort() noexcept {
+  const OnDevice on(device_index());
   stop_watchdog();
   std::lock_guard<std::mutex> lock(mu_);
   abort_comm_locked();
