@@ -54,12 +54,20 @@ std::string bucket_context(int64_t bucket, const std::vector<PeerOp>& peers);
 // node whose exchanger was checked, synchronized or closed from such a thread (a collector or user thread).
 class OnDevice {
  public:
+  // The runtime's own calls, which return errors (c10's SetDevice checks by throwing: a terminate in a noexcept
+  // path or destructor, e.g. with the runtime unloading at exit). On any error nothing is switched or restored.
   explicit OnDevice(c10::DeviceIndex device) noexcept : device_(device) {
-    if (c10::cuda::GetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device_) (void)c10::cuda::SetDevice(device_);
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) return;
+    previous_ = static_cast<c10::DeviceIndex>(current);
+    if (previous_ != device_ && cudaSetDevice(device_) != cudaSuccess) previous_ = -1;
   }
   ~OnDevice() {
-    if (previous_ >= 0 && previous_ != device_) (void)c10::cuda::MaybeSetDevice(previous_);
+    if (previous_ < 0 || previous_ == device_) return;
+    try {  // (MaybeSetDevice asks the driver whether the device has a context, with a check that may throw)
+      (void)c10::cuda::MaybeSetDevice(previous_);
+    } catch (...) {
+    }
   }
   OnDevice(const OnDevice&) = delete;
   OnDevice& operator=(const OnDevice&) = delete;
